@@ -1,0 +1,128 @@
+"""The ASGI application: the two hot routes as plain ASGI, the rest on Starlette.
+
+`build_app(config)` returns an app whose lifespan starts and stops the GatewayState. The
+front dispatcher sends `POST /v1/completions` and `/v1/chat/completions` straight to their
+Proxy (no Starlette request objects or middleware on the hot path); everything else goes
+through a small Starlette app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.auth import key_from_headers
+from gateway.edge import Receive, Scope, Send, error_parts, request_id
+from gateway.errors import GatewayError, MethodNotAllowed, NotFound
+from gateway.metrics import CONTENT_TYPE
+from gateway.openapi import build_openapi
+from gateway.proxy import Proxy
+from gateway.schemas import ChatRequest, CompletionRequest
+from gateway.state import GatewayState
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+class GatewayApp:
+    """Front dispatcher: hot routes to their Proxy, the rest to Starlette."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._hot = {
+            COMPLETIONS: Proxy(state, COMPLETIONS, CompletionRequest),
+            CHAT: Proxy(state, CHAT, ChatRequest),
+        }
+        self._openapi = orjson.dumps(build_openapi(CompletionRequest, ChatRequest))
+        self._rest = self._build_starlette()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            proxy = self._hot.get(scope["path"])
+            if proxy is not None:
+                await proxy(scope, receive, send)
+                return
+        await self._rest(scope, receive, send)
+
+    def _build_starlette(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            await self.state.start()
+            try:
+                yield
+            finally:
+                await self.state.close()
+
+        routes = [
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/openapi.json", self._openapi_json, methods=["GET"]),
+            # Wrong methods on the hot paths land here (POST never does).
+            Route(COMPLETIONS, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
+            Route(CHAT, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
+        ]
+        handlers = {GatewayError: self._gateway_error, HTTPException: self._http_error}
+        return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    async def _models(self, request: Request) -> Response:
+        h = request.headers
+        account = await self.state.keys.authenticate(
+            key_from_headers(h.get("authorization"), h.get("x-api-key"), h.get("xi-api-key"))
+        )
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "gateway"}
+            for name in self.state.registry.names()
+            if account.models is None or name in account.models
+        ]
+        return _json({"object": "list", "data": data}, request)
+
+    async def _healthz(self, request: Request) -> Response:
+        return _json({"status": "ok"}, request)
+
+    async def _readyz(self, request: Request) -> Response:
+        try:
+            await self.state.redis.ping()
+        except (RedisError, OSError):
+            return _json(
+                {"status": "unavailable", "reason": "store (redis) unreachable"}, request, 503
+            )
+        return _json({"status": "ready"}, request)
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _openapi_json(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
+
+    async def _method_not_allowed(self, request: Request) -> Response:
+        raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
+
+    async def _gateway_error(self, request: Request, exc: GatewayError) -> Response:
+        status, body, headers = error_parts(exc, request_id(request.headers.get("x-request-id")))
+        return Response(
+            body, status, {k.decode(): v.decode() for k, v in headers}, "application/json"
+        )
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return await self._gateway_error(request, MethodNotAllowed("Method not allowed."))
+        return await self._gateway_error(request, NotFound(f"No route {request.url.path[:200]}."))
+
+
+def _json(payload: object, request: Request, status: int = 200) -> Response:
+    rid = request_id(request.headers.get("x-request-id"))
+    return Response(orjson.dumps(payload), status, {"x-request-id": rid}, "application/json")
+
+
+def build_app(state: GatewayState) -> GatewayApp:
+    return GatewayApp(state)

@@ -1,0 +1,162 @@
+"""`gateway` command line (SPEC section 9). `python -m gateway` is the same."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gateway.settings import ConfigError, digest_key, load_config
+from tiers.policy import Tier
+
+log = logging.getLogger("gateway")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="YAML config file")
+    serve.add_argument("--host", help="listen address (default: listen.host of the config)")
+    serve.add_argument("--port", type=int, help="listen port (default: listen.port of the config)")
+
+    demo = sub.add_parser("demo", help="gateway + two simulated workers + in-process store")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--host", default="127.0.0.1")
+
+    sim = sub.add_parser("sim", help="a simulated vLLM-like GPU worker")
+    sim.add_argument("--port", type=int, required=True)
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--models", nargs="+", default=["sim-model"])
+    sim.add_argument("--max-seqs", type=int, default=8)
+    sim.add_argument("--ttft-ms", type=float, default=50.0)
+    sim.add_argument("--itl-ms", type=float, default=10.0)
+    sim.add_argument("--tokens", type=int, default=16, help="natural answer length in tokens")
+    sim.add_argument("--fault", choices=["hang", "error500", "die_mid_stream"], default=None)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(
+        dest="keys_command", required=True
+    )
+    create = keys.add_parser("create", help="mint a key, print it once, store its digest")
+    create.add_argument("--config", required=True)
+    create.add_argument("--account", required=True)
+    create.add_argument("--max-concurrency", type=int, default=200)
+    create.add_argument("--models", nargs="+", help="allow-list of models (default: all)")
+    create.add_argument("--tiers", nargs="+", choices=[t.value for t in Tier])
+
+    usage = sub.add_parser("usage", help="usage records").add_subparsers(
+        dest="usage_command", required=True
+    )
+    export = usage.add_parser("export", help="read the usage records")
+    export.add_argument("--config", required=True)
+    export.add_argument("--since")
+    export.add_argument("--format", choices=["jsonl", "csv"], default="jsonl")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "demo":
+            from gateway.demo import main as demo_main
+
+            return demo_main(args.port, args.host)
+        if args.command == "sim":
+            return _sim(args)
+        if args.command == "keys":
+            return _keys_create(args)
+        return _usage_export(args)
+    except ConfigError as exc:
+        print(f"gateway: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.app import build_app
+    from gateway.server import serve
+    from gateway.state import GatewayState
+
+    config = load_config(args.config)
+    host = args.host or config.listen.host
+    port = args.port or config.listen.port
+    log.info("serving %d models on %s:%d", len(config.models), host, port)
+    serve(build_app(GatewayState(config)), host, port)
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from gateway.sim import SimOptions, build_sim_app
+
+    options = SimOptions(
+        models=tuple(args.models),
+        max_seqs=args.max_seqs,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        tokens=args.tokens,
+        fault=args.fault,
+    )
+    log.info("simulated worker for %s on %s:%d", ", ".join(options.models), args.host, args.port)
+    serve(build_sim_app(options), args.host, args.port)
+    return 0
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from gateway.auth import create_key
+    from routing.store import connect
+
+    config = load_config(args.config)
+    if config.redis.url.startswith("memory://"):
+        print(
+            "gateway keys create: this config's store is memory:// (inside one gateway process), "
+            "so a key cannot be stored from outside it. Add a digest under `keys:` instead; "
+            "`gateway keys digest` is not needed: sha256 of the key is the digest.",
+            file=sys.stderr,
+        )
+        return 2
+
+    async def create() -> str:
+        redis = connect(config.redis.url)
+        try:
+            tiers = [Tier(t) for t in args.tiers] if args.tiers else None
+            return await create_key(
+                redis,
+                args.account,
+                max_concurrency=args.max_concurrency,
+                models=args.models,
+                tiers=tiers,
+            )
+        finally:
+            await redis.aclose()
+
+    try:
+        key = _run(create())
+    except (RedisError, OSError) as exc:
+        print(f"gateway keys create: store unreachable: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    print(key)
+    print(f"# account {args.account}, key id {digest_key(key)[:12]}; shown once", file=sys.stderr)
+    return 0
+
+
+def _usage_export(args: argparse.Namespace) -> int:
+    load_config(args.config)
+    print(
+        "gateway usage export: not built yet. Usage records are written from the billing "
+        "milestone on (SPEC section 7); this build keeps none.",
+        file=sys.stderr,
+    )
+    return 3
+
+
+def _run(coro: Coroutine[Any, Any, str]) -> str:
+    return asyncio.run(coro)

@@ -1,0 +1,66 @@
+"""Every Prometheus metric of SPEC section 8, declared once, in a registry per app.
+
+Label values come only from config (model names, endpoint urls, tier names) or from fixed
+sets (status codes, 429 reasons), never from request text, so cardinality stays bounded.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# LLM requests last from milliseconds (a 429) to many minutes (a long stream).
+DURATION_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests", "Requests answered, by served model, applied tier and status.",
+            ["model", "tier", "code"], registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "gateway_request_duration_seconds", "Time from request to the last byte sent.",
+            ["model", "tier"], buckets=DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds", "Time from request to the first streamed byte.",
+            ["model", "tier"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "gateway_tokens", "Tokens processed, from the workers' usage.",
+            ["model", "tier", "kind"], registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "gateway_queue_depth", "Requests waiting for a slot.", ["model", "tier"], registry=r
+        )
+        self.inflight = Gauge("gateway_inflight", "Requests holding a slot.", ["model"], registry=r)
+        self.capacity = Gauge(
+            "gateway_capacity", "Slots of healthy endpoints.", ["model"], registry=r
+        )
+        self.rejections = Counter(
+            "gateway_rejections", "429 answers, by reason (the error code).",
+            ["model", "tier", "reason"], registry=r,
+        )  # fmt: skip
+        self.fallbacks = Counter(
+            "gateway_fallbacks", "Requests served by a later entry of their models list.",
+            ["from_model", "to_model"], registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "gateway_upstream_errors", "Failures talking to workers.",
+            ["model", "endpoint", "kind"], registry=r,
+        )  # fmt: skip
+        self.endpoint_up = Gauge(
+            "gateway_endpoint_up", "1 while an endpoint is in rotation.",
+            ["model", "endpoint"], registry=r,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

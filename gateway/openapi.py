@@ -1,0 +1,135 @@
+"""/openapi.json: the gateway's own OpenAPI document, request schemas from the pydantic models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+_TIER_HEADER = (
+    "Per-request service tier (`priority` or `flex`) for clients that cannot set the "
+    "`service_tier` body field. The body field wins; unrecognized values ride the default tier."
+)
+
+_VALIDATION_SCHEMAS: dict[str, Any] = {
+    "ValidationError": {
+        "type": "object",
+        "title": "ValidationError",
+        "required": ["loc", "msg", "type"],
+        "properties": {
+            "loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]}},
+            "msg": {"type": "string"},
+            "type": {"type": "string"},
+        },
+    },
+    "HTTPValidationError": {
+        "type": "object",
+        "title": "HTTPValidationError",
+        "properties": {
+            "detail": {"type": "array", "items": {"$ref": "#/components/schemas/ValidationError"}}
+        },
+    },
+    "ErrorEnvelope": {
+        "type": "object",
+        "title": "ErrorEnvelope",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                    "code": {"type": "string"},
+                },
+            }
+        },
+    },
+}
+
+
+def _header(name: str, description: str = "") -> dict[str, Any]:
+    param: dict[str, Any] = {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "schema": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    }
+    if description:
+        param["description"] = description
+    return param
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
+    }
+
+
+def _post(summary: str, operation: str, schema_name: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": operation,
+            "security": [{"HTTPBearer": []}],
+            "parameters": [
+                _header("x-deepinfra-source"),
+                _header("x-deepinfra-service-tier", _TIER_HEADER),
+                _header("xi-api-key"),
+                _header("x-api-key"),
+                _header("x-request-id"),
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_name}"}}
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "Successful Response (JSON, or text/event-stream when stream)",
+                    "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
+                },
+                "401": _error("Missing or unknown API key"),
+                "404": _error("Unknown model"),
+                "413": _error("Body too large"),
+                "422": {
+                    "description": "Validation Error",
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/HTTPValidationError"}
+                        }
+                    },
+                },
+                "429": _error("No capacity now; see Retry-After"),
+                "502": _error("The worker failed"),
+                "503": _error("Nothing can serve"),
+                "504": _error("The worker timed out"),
+            },
+        }
+    }
+
+
+def build_openapi(completions: type[BaseModel], chat: type[BaseModel]) -> dict[str, Any]:
+    schemas: dict[str, Any] = dict(_VALIDATION_SCHEMAS)
+    for name, model in (("OpenAICompletionsIn", completions), ("OpenAIChatCompletionsIn", chat)):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schema["title"] = name
+        schemas[name] = schema
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "LLM gateway", "version": "0.1.0"},
+        "paths": {
+            "/v1/completions": _post("Completions", "completions", "OpenAICompletionsIn"),
+            "/v1/chat/completions": _post(
+                "Chat Completions", "chat_completions", "OpenAIChatCompletionsIn"
+            ),
+        },
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"HTTPBearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,152 @@
+"""Worker answers on their way back to the caller: rewritten, never buffered when streamed.
+
+The caller sees the gateway's model name and the applied `service_tier`; everything else the
+worker sent passes through. Usage is picked up on the way for billing and metrics. Worker
+errors become the OpenAI envelope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import (
+    GatewayError,
+    RateLimited,
+    UpstreamFailed,
+    UpstreamTimeout,
+    WorkerRejected,
+)
+
+MAX_ERROR_MESSAGE = 1000
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reported: bool = False
+
+    def take(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                self.prompt_tokens, self.completion_tokens = prompt, completion
+                self.reported = True
+
+
+def worker_error(status: int, body: bytes) -> GatewayError:
+    """A worker's error answer as the gateway's own error (SPEC 1: one meaning per status)."""
+    message, code, param = _error_fields(body)
+    if status in (408, 504):
+        return UpstreamTimeout(f"The worker timed out: {message}")
+    if status == 429:
+        return RateLimited(
+            f"The worker is overloaded: {message}", code="model_busy", retry_after_s=1
+        )
+    if status in (401, 403, 404):
+        # The caller's key is not what the worker judged; this is the fleet's misconfiguration.
+        return UpstreamFailed(f"The worker refused the gateway ({status}): {message}")
+    if 400 <= status < 500:
+        return WorkerRejected(status, message, code=code, param=param)
+    return UpstreamFailed(f"The worker failed ({status}): {message}")
+
+
+def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        text = body[:MAX_ERROR_MESSAGE].decode("utf-8", "replace").strip()
+        return text or "no details", None, None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        data = data["error"]
+    if not isinstance(data, dict):
+        return str(data)[:MAX_ERROR_MESSAGE], None, None
+    message = data.get("message", data.get("detail", "no details"))
+    if not isinstance(message, str):
+        message = orjson.dumps(message).decode()
+    code = data.get("code")
+    param = data.get("param")
+    return (
+        message[:MAX_ERROR_MESSAGE],
+        str(code) if code is not None and not isinstance(code, int) else None,
+        param if isinstance(param, str) else None,
+    )
+
+
+def error_event(exc: GatewayError) -> bytes:
+    """A mid-stream error as the OpenAI SDK understands it (the 200 is already out)."""
+    return b"data: " + orjson.dumps(exc.envelope()) + b"\n\n"
+
+
+def rewrite_answer(body: bytes, model: str, tier: str, usage: Usage) -> bytes:
+    """A non-streamed worker answer with the gateway's model name and applied tier."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamFailed("The worker answered with invalid JSON.") from exc
+    if not isinstance(data, dict):
+        raise UpstreamFailed("The worker answered with an unexpected JSON value.")
+    data["model"] = model
+    data["service_tier"] = tier
+    usage.take(data.get("usage"))
+    return orjson.dumps(data)
+
+
+class StreamRewriter:
+    """Splits worker SSE bytes into events and rewrites each `data:` payload.
+
+    Feed it chunks as they arrive; it returns the complete events ready to send (possibly
+    empty), keeping any partial event for the next chunk.
+    """
+
+    __slots__ = ("_buffer", "_include_usage", "_model", "_tier", "done", "error", "usage")
+
+    def __init__(self, model: str, tier: str, include_usage: bool, usage: Usage) -> None:
+        self._model = model
+        self._tier = tier
+        self._include_usage = include_usage
+        self._buffer = b""
+        self.usage = usage
+        self.done = False
+        self.error: GatewayError | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._buffer + chunk if self._buffer else chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        *events, self._buffer = data.split(b"\n\n")
+        if not events:
+            return b""
+        out = [self._event(e) for e in events if e]
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:"):
+            return event + b"\n\n"  # comments / keep-alives pass through untouched
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return DONE_EVENT
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return event + b"\n\n"
+        if not isinstance(data, dict):
+            return event + b"\n\n"
+        if "error" in data or data.get("object") == "error":
+            self.error = worker_error(500, payload)
+            return error_event(self.error)
+        data["model"] = self._model
+        data["service_tier"] = self._tier
+        usage = data.get("usage")
+        if usage is not None:
+            self.usage.take(usage)
+            if not self._include_usage:
+                if data.get("choices") == []:
+                    return b""
+                del data["usage"]
+        return b"data: " + orjson.dumps(data) + b"\n\n"

@@ -1,0 +1,397 @@
+"""`gateway sim`: a simulated vLLM-like GPU worker for demos, tests and benchmarks.
+
+A raw ASGI app (no framework on the hot path, because benchmarks use it with zero delays as a
+near-free upstream). It generates for at most `max_seqs` requests at once and queues the rest
+in FIFO order, emits the first token after `ttft_ms` and one more every `itl_ms`, and stops at
+once when the client goes away, counting the request as aborted so tests can prove that a
+gateway cancels its upstream calls. All state lives on the app object.
+
+Test seams: `GET|DELETE /sim/requests` (the last requests received, as forwarded to us) and
+`GET|POST /sim/fault` (hang, error500, die_mid_stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.sim_text import BadRequest, Job, Reply, error_body, make_plan, parse_job
+
+FAULTS = frozenset({"hang", "error500", "die_mid_stream"})
+FINISH_REASONS = ("stop", "length", "abort")
+RECENT_REQUESTS = 100
+_DIE_AFTER_TOKENS = 2
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    models: tuple[str, ...] = ("sim-model",)
+    max_seqs: int = 8  # at most this many requests generate at once; the rest queue (FIFO)
+    ttft_ms: float = 50.0  # delay before the first token
+    itl_ms: float = 10.0  # delay between tokens
+    tokens: int = 16  # natural answer length in tokens when max_tokens allows
+    fault: str | None = None  # one of FAULTS; also settable at run time via POST /sim/fault
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised mid-stream by the die_mid_stream fault; the server then drops the connection."""
+
+
+def build_sim_app(options: SimOptions) -> ASGIApp:
+    """A fresh simulated worker; each app has its own slots, metrics and request log."""
+    return SimApp(options)
+
+
+class _Slots:
+    """FIFO admission to `size` generation slots (asyncio.Semaphore promises no order)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_acquire(self) -> bool:
+        if self.running < self.size and not self._waiters:
+            self.running += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was handed over just before the cancel: pass it on
+            else:
+                with suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # hand the slot over; `running` stays the same
+                return
+        self.running -= 1
+
+
+class _Metrics:
+    """vLLM's metric names, on a registry of this app's own."""
+
+    def __init__(self, models: tuple[str, ...], slots: _Slots) -> None:
+        self.registry = CollectorRegistry()
+        gauges: tuple[tuple[str, str, Callable[[], float]], ...] = (
+            ("vllm:num_requests_running", "Requests generating now.", lambda: slots.running),
+            ("vllm:num_requests_waiting", "Requests waiting for a slot.", lambda: slots.waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage, simulated as running / max_seqs. 1 means 100 percent.",
+                lambda: slots.running / slots.size,
+            ),
+        )
+        for name, doc, read in gauges:
+            gauge = Gauge(name, doc, ["model_name"], registry=self.registry)
+            gauge.labels(models[0]).set_function(read)
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason (abort: the client went away).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._success = {(m, r): success.labels(m, r) for m in models for r in FINISH_REASONS}
+
+    def finished(self, model: str, reason: str) -> None:
+        self._success[(model, reason)].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SimApp:
+    """The ASGI app behind `build_sim_app`."""
+
+    def __init__(self, options: SimOptions) -> None:
+        _check(options)
+        self.options = options
+        self.fault = options.fault
+        self.slots = _Slots(options.max_seqs)
+        self.metrics = _Metrics(options.models, self.slots)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        self._ttft = options.ttft_ms / 1000.0
+        self._itl = options.itl_ms / 1000.0
+        self._instant = self._ttft == 0 and self._itl == 0
+        self._routes: dict[str, dict[str, Handler]] = {
+            "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat_completions},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+            "/sim/requests": {"GET": self._recent_requests, "DELETE": self._clear_requests},
+            "/sim/fault": {"GET": self._get_fault, "POST": self._set_fault},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        methods = self._routes.get(scope["path"])
+        if methods is None:
+            await _send_json(send, 404, {"detail": "Not Found"})
+            return
+        handler = methods.get(scope["method"])
+        if handler is None:
+            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            return
+        await handler(scope, receive, send)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, chat=False)
+
+    async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, chat=True)
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        raw = await _read_body(receive)
+        if raw is None:
+            return
+        try:
+            body: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            body, json_error = None, str(exc)
+        else:
+            json_error = ""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self.recent.append({"path": scope["path"], "body": body, "headers": headers})
+        fault = self.fault
+        if fault == "hang":
+            await _wait_disconnect(receive)
+            return
+        if fault == "error500":
+            message = "Simulated worker failure (fault error500)."
+            await _send_json(send, 500, error_body(500, "InternalServerError", message))
+            return
+        job = self._validate(body, json_error, chat)
+        if isinstance(job, tuple):
+            await _send_json(send, *job)
+            return
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        reply = Reply(job, make_plan(job, self.options.tokens), rid, int(time.time()))
+        try:
+            reason = await self._answer(reply, receive, send, die=fault == "die_mid_stream")
+        except SimulatedCrash:
+            self.metrics.finished(job.model, "abort")
+            raise
+        self.metrics.finished(job.model, reason)
+
+    def _validate(self, body: Any, json_error: str, chat: bool) -> Job | tuple[int, Any]:
+        """The job, or the status and vLLM-style error body to answer with."""
+        try:
+            if json_error:
+                raise BadRequest(f"The request body is not valid JSON: {json_error}")
+            job = parse_job(body, chat, self.options.models[0])
+        except BadRequest as exc:
+            return 400, error_body(400, "BadRequestError", str(exc))
+        if job.model not in self.options.models:
+            message = f"The model `{job.model}` does not exist."
+            return 404, error_body(404, "NotFoundError", message)
+        return job
+
+    async def _answer(self, reply: Reply, receive: Receive, send: Send, die: bool) -> str:
+        """Generate under a slot; the finish reason, or "abort" when the client went away."""
+        if reply.job.stream:
+            # Headers go out before the slot is granted, as with vLLM's streaming responses.
+            await send(_start(200, b"text/event-stream; charset=utf-8"))
+        if self._instant and self.slots.try_acquire():
+            # Nothing to wait for, so no disconnect watcher: the cheap path for benchmarks.
+            try:
+                await self._emit(reply, send, die)
+            finally:
+                self.slots.release()
+            return reply.plan.finish_reason
+        work = asyncio.ensure_future(self._emit_in_slot(reply, send, die))
+        if await _finished_unless_gone(work, receive):
+            return reply.plan.finish_reason
+        return "abort"
+
+    async def _emit_in_slot(self, reply: Reply, send: Send, die: bool) -> None:
+        await self.slots.acquire()
+        try:
+            await self._emit(reply, send, die)
+        finally:
+            self.slots.release()
+
+    async def _emit(self, reply: Reply, send: Send, die: bool) -> None:
+        start = asyncio.get_running_loop().time()
+        if not reply.job.stream:
+            await self._pace(start, max(reply.plan.length - 1, 0))
+            await _send_json(send, 200, reply.body())
+            return
+        await self._pace(start, 0)
+        for event in reply.role_events():
+            await send(_chunk(event))
+        steps = min(reply.plan.length, _DIE_AFTER_TOKENS) if die else reply.plan.length
+        for step in range(steps):
+            if step:
+                await self._pace(start, step)
+            for index in range(reply.job.n):
+                await send(_chunk(reply.token_event(index, step)))
+        if die:
+            raise SimulatedCrash("fault die_mid_stream: dropping the connection mid-stream")
+        *events, last = reply.closing_events()
+        for event in events:
+            await send(_chunk(event))
+        await send({"type": "http.response.body", "body": last, "more_body": False})
+
+    async def _pace(self, start: float, step: int) -> None:
+        """Sleep until token `step` is due (drift-free; no sleep at all when it is due)."""
+        if self._instant:
+            return
+        delay = start + self._ttft + step * self._itl - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        created = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m}
+            for m in self.options.models
+        ]
+        await _send_json(send, 200, {"object": "list", "data": data})
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(_start(200, None, content_length=0))
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.metrics.render()
+        await send(_start(200, CONTENT_TYPE_LATEST.encode(), content_length=len(body)))
+        await send({"type": "http.response.body", "body": body})
+
+    async def _recent_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, {"requests": list(self.recent)})
+
+    async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.recent.clear()
+        await _send_json(send, 200, {"requests": []})
+
+    async def _get_fault(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _send_json(send, 200, {"fault": self.fault})
+
+    async def _set_fault(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = await _read_body(receive)
+        if raw is None:
+            return
+        try:
+            fault = orjson.loads(raw)["fault"]
+        except (orjson.JSONDecodeError, TypeError, KeyError):
+            fault = "<missing>"
+        if fault is not None and fault not in FAULTS:
+            message = f"`fault` must be null or one of {sorted(FAULTS)}."
+            await _send_json(send, 400, error_body(400, "BadRequestError", message))
+            return
+        self.fault = fault
+        await _send_json(send, 200, {"fault": fault})
+
+
+def _check(options: SimOptions) -> None:
+    if not options.models:
+        raise ValueError("the simulator needs at least one model name")
+    if options.max_seqs < 1:
+        raise ValueError("max_seqs must be at least 1")
+    if options.tokens < 0 or options.ttft_ms < 0 or options.itl_ms < 0:
+        raise ValueError("tokens, ttft_ms and itl_ms must not be negative")
+    if options.fault is not None and options.fault not in FAULTS:
+        raise ValueError(f"fault must be one of {sorted(FAULTS)}, not {options.fault!r}")
+
+
+async def _finished_unless_gone(work: asyncio.Future[None], receive: Receive) -> bool:
+    """Wait for `work`; if the client disconnects first, cancel it and return False."""
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    gone = False
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            gone = True
+            work.cancel()
+    if gone:
+        await asyncio.wait((work,))  # let its `finally` free the slot before we report
+        return False
+    work.result()  # re-raise what it raised (SimulatedCrash)
+    return True
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None when the client left before sending it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _start(status: int, content_type: bytes | None, content_length: int | None = None) -> Message:
+    headers = []
+    if content_type is not None:
+        headers.append((b"content-type", content_type))
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    return {"type": "http.response.start", "status": status, "headers": headers}
+
+
+def _chunk(event: bytes) -> Message:
+    return {"type": "http.response.body", "body": event, "more_body": True}
+
+
+async def _send_json(send: Send, status: int, payload: object) -> None:
+    body = orjson.dumps(payload)
+    await send(_start(status, b"application/json", len(body)))
+    await send({"type": "http.response.body", "body": body})

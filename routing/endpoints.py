@@ -1,0 +1,54 @@
+"""Endpoint choice inside one model: the endpoint with the fewest requests in flight.
+
+Counts are per replica for now (SPEC 6); ties rotate so equal endpoints share the load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from routing.registry import EndpointConfig, Model
+
+
+class Endpoint:
+    """One worker serving one model, with this replica's in-flight count."""
+
+    __slots__ = ("config", "inflight", "model_name", "upstream_model", "url")
+
+    def __init__(self, model_name: str, config: EndpointConfig) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.url = config.base_url
+        self.upstream_model = config.model or model_name
+        self.inflight = 0
+
+
+class Pool:
+    """The endpoints of one model."""
+
+    __slots__ = ("_turn", "endpoints")
+
+    def __init__(self, model: Model) -> None:
+        self.endpoints = [Endpoint(model.name, e) for e in model.config.endpoints]
+        self._turn = 0
+
+    def pick(self) -> Endpoint:
+        endpoints = self.endpoints
+        count = len(endpoints)
+        self._turn = (self._turn + 1) % count
+        best = endpoints[self._turn]
+        for offset in range(1, count):
+            candidate = endpoints[(self._turn + offset) % count]
+            if candidate.inflight < best.inflight:
+                best = candidate
+        return best
+
+
+class Pools:
+    """Model name -> Pool, built from the registry once."""
+
+    def __init__(self, models: Iterable[Model]) -> None:
+        self._pools = {m.name: Pool(m) for m in models}
+
+    def for_model(self, name: str) -> Pool:
+        return self._pools[name]

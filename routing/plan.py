@@ -1,0 +1,43 @@
+"""The fallback walk of SPEC section 5: which models to try, in order, and which may queue."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from gateway.errors import ModelNotFound
+from routing.registry import Model, Registry
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    model: Model
+    # Position in the caller's de-duplicated list: billed as `fallback_index`.
+    index: int
+    # Whether this entry may wait in the model's queue (only the last one, without fail_fast).
+    may_wait: bool
+
+
+def plan_candidates(
+    requested: str,
+    fallbacks: Sequence[str] | None,
+    *,
+    fail_fast: bool,
+    registry: Registry,
+    allowed: Collection[str] | None,
+) -> list[Candidate]:
+    """Models to try in order. Unknown names (or names the key may not use) are skipped."""
+    names = list(dict.fromkeys(fallbacks)) if fallbacks else [requested]
+    known: list[tuple[int, Model]] = []
+    for index, name in enumerate(names):
+        model = registry.get(name)
+        if model is not None and (allowed is None or name in allowed):
+            known.append((index, model))
+    if not known:
+        shown = ", ".join(repr(n[:256]) for n in names)
+        raise ModelNotFound(f"The model {shown} does not exist or is not available to this key.")
+    last = len(known) - 1
+    return [
+        Candidate(model, index, may_wait=(pos == last and not fail_fast))
+        for pos, (index, model) in enumerate(known)
+    ]

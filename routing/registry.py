@@ -1,0 +1,97 @@
+"""The fleet as configured: models, their endpoints, tiers and prices.
+
+These are the config schema's model/endpoint sections (validated once at start) plus the
+lookups the request path needs. Capacity here is the configured one; health (issue 5) will
+take unhealthy endpoints out of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+
+from tiers.policy import Tier
+
+# Model names travel in URLs, Redis keys and metric labels: keep them plain.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/\-]{0,255}$"
+
+
+class EndpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: HttpUrl
+    max_concurrency: int = Field(ge=1, le=100_000)
+    # The name the worker serves the model under (vLLM --served-model-name); default: ours.
+    model: str | None = Field(None, min_length=1, max_length=256)
+    # Credentials for the worker itself (vLLM --api-key); never the caller's key.
+    api_key: str | None = Field(None, repr=False)
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_is_none(cls, key: str | None) -> str | None:
+        # `${WORKER_API_KEY:-}` expands to "" when unset: that means no key.
+        return key or None
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class PriceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_per_mtok: float = Field(0.0, ge=0.0)
+    output_per_mtok: float = Field(0.0, ge=0.0)
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A tier must be listed here to apply; `default` always applies.
+    tiers: tuple[Tier, ...] = (Tier.DEFAULT,)
+    max_queue: int = Field(100, ge=0, le=1_000_000)
+    price: PriceConfig = PriceConfig()
+    worker_priority: bool = False
+    endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _distinct_urls(cls, endpoints: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+        urls = [e.base_url for e in endpoints]
+        if len(set(urls)) != len(urls):
+            raise ValueError("endpoint urls must be distinct within a model")
+        return endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """One servable model: its name, policy and endpoints, in the shape the hot path reads."""
+
+    name: str
+    config: ModelConfig
+    tiers: frozenset[Tier]
+
+    @property
+    def capacity(self) -> int:
+        return sum(e.max_concurrency for e in self.config.endpoints)
+
+
+class Registry:
+    """Name -> Model lookups. Immutable; a config reload builds a new one."""
+
+    def __init__(self, models: Mapping[str, ModelConfig]) -> None:
+        self._models = {
+            name: Model(name, cfg, frozenset(cfg.tiers) | {Tier.DEFAULT})
+            for name, cfg in models.items()
+        }
+
+    def get(self, name: str) -> Model | None:
+        return self._models.get(name)
+
+    def __iter__(self) -> Iterator[Model]:
+        return iter(self._models.values())
+
+    def names(self) -> list[str]:
+        return list(self._models)

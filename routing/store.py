@@ -1,0 +1,23 @@
+"""The connection to the shared store (Redis), or an in-process stand-in for `memory://`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A client for `url`; `memory://` gives fakeredis in this process (one replica only)."""
+    if url.startswith("memory://"):
+        import fakeredis
+
+        client: Any = fakeredis.FakeAsyncRedis()
+        return client  # type: ignore[no-any-return]
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        health_check_interval=15,
+        max_connections=512,
+    )

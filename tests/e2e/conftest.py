@@ -1,0 +1,93 @@
+"""A small fleet for end-to-end tests: two simulated workers, one slow one, one gateway."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REDIS_URL
+from tests.e2e import procs
+
+KEY = "sk-test-acme"
+KEY_LIMITED = "sk-test-limited"  # may use m1 only, and never priority
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class Fleet:
+    gateway: procs.Proc
+    fast: list[procs.Proc]
+    slow: procs.Proc
+    config_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.url + "/v1"
+
+
+def fleet_config(fast: list[procs.Proc], slow: procs.Proc) -> str:
+    return f"""
+redis: {{url: "{REDIS_URL}"}}
+limits: {{max_body_bytes: 65536}}
+models:
+  m1:
+    tiers: [default, priority, flex]
+    endpoints:
+      - {{url: "{fast[0].url}", max_concurrency: 4}}
+      - {{url: "{fast[1].url}", max_concurrency: 4}}
+  m2:
+    tiers: [default]
+    endpoints:
+      - {{url: "{fast[1].url}", max_concurrency: 4, model: m1}}
+  slow:
+    endpoints:
+      - {{url: "{slow.url}", max_concurrency: 2, model: m1}}
+  misnamed:
+    endpoints:
+      - {{url: "{fast[0].url}", max_concurrency: 1, model: not-served-here}}
+keys:
+  - {{sha256: "{digest(KEY)}", account: acme}}
+  - {{sha256: "{digest(KEY_LIMITED)}", account: limited, models: [m1], tiers: [flex]}}
+"""
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("fleet")
+    started: list[procs.Proc] = []
+    try:
+        fast = [
+            procs.sim(tmp, "--ttft-ms", "2", "--itl-ms", "1", "--tokens", "8") for _ in range(2)
+        ]
+        started += fast
+        # Slow enough that a stream is still running when its first chunk arrives.
+        slow = procs.sim(tmp, "--ttft-ms", "10", "--itl-ms", "300", "--tokens", "30")
+        started.append(slow)
+        text = fleet_config(fast, slow)
+        gw = procs.gateway(tmp, text)
+        started.append(gw)
+        yield Fleet(gw, fast, slow, tmp / f"gateway-{gw.port}.yaml")
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+def keys_create(config: Path, *args: str) -> str:
+    """Run `gateway keys create` as an operator would and return the printed key."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "keys", "create", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return out.stdout.strip()
