@@ -7,6 +7,8 @@ the hot path costs); these helpers keep that code short and in one place.
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -127,26 +129,46 @@ def parse_body(body: bytes, schema: type[ModelT]) -> tuple[dict[str, Any], Model
 
 
 def _loads(body: bytes) -> Any:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        # orjson refuses integers past 64 bits that strict JSON allows; the stdlib does not.
+    if _LONG_NUMBER.search(body) is None:
         try:
-            return json.loads(body, parse_constant=_reject_constant)
-        except (ValueError, RecursionError):
-            pass
-        detail = [
-            {
-                "loc": ["body", exc.pos],
-                "msg": f"JSON decode error: {exc.msg}",
-                "type": "json_invalid",
-            }
-        ]
-        raise RequestInvalid(detail) from None
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise _malformed(exc.msg, exc.pos) from None
+    # orjson reads integers past 64 bits as lossy floats; the stdlib keeps them exact.
+    try:
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise _malformed(exc.msg, exc.pos) from None
+    except (ValueError, RecursionError) as exc:
+        raise _malformed(str(exc), 0) from None
+
+
+_LONG_NUMBER = re.compile(rb"[0-9]{19,}")
+
+
+def _malformed(msg: str, pos: int) -> RequestInvalid:
+    return RequestInvalid(
+        [{"loc": ["body", pos], "msg": f"JSON decode error: {msg}", "type": "json_invalid"}]
+    )
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def dumps(payload: Any) -> bytes:
+    """orjson, or the stdlib for what orjson cannot encode (integers past 64 bits)."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError:
+        return json.dumps(payload, separators=(",", ":")).encode("utf-8")
 
 
 def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from pydantic import BaseModel
 
 from gateway.auth import Account, key_from_headers
@@ -21,6 +20,7 @@ from gateway.edge import (
     RequestHeaders,
     Scope,
     Send,
+    dumps,
     parse_body,
     read_body,
     read_headers,
@@ -253,7 +253,7 @@ def _forward_body(
         }
     if worker_priority:
         forward["priority"] = WORKER_PRIORITY[tier]
-    return orjson.dumps(forward)
+    return dumps(forward)
 
 
 def _worker_headers(endpoint: Endpoint, rid: str) -> dict[str, str]:

@@ -145,8 +145,8 @@ class StreamRewriter:
         usage = data.get("usage")
         if usage is not None:
             self.usage.take(usage)
-            if not self._include_usage:
-                if data.get("choices") == []:
-                    return b""
-                del data["usage"]
+        if not self._include_usage and "usage" in data:
+            if usage is not None and data.get("choices") == []:
+                return b""
+            del data["usage"]
         return b"data: " + orjson.dumps(data) + b"\n\n"

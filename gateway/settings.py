@@ -127,7 +127,10 @@ def parse_config(text: str, source: str, environ: Mapping[str, str] | None = Non
         raise ConfigError(f"{source}:{where} not valid YAML") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    raw = expand_env(raw, os.environ if environ is None else environ)
+    try:
+        raw = expand_env(raw, os.environ if environ is None else environ)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     try:
         return GatewayConfig.model_validate(raw)
     except ValidationError as exc:

@@ -33,15 +33,12 @@ class Pool:
         self._turn = 0
 
     def pick(self) -> Endpoint:
+        """Fewest in flight; ties go round-robin so equal endpoints share the load evenly."""
         endpoints = self.endpoints
-        count = len(endpoints)
-        self._turn = (self._turn + 1) % count
-        best = endpoints[self._turn]
-        for offset in range(1, count):
-            candidate = endpoints[(self._turn + offset) % count]
-            if candidate.inflight < best.inflight:
-                best = candidate
-        return best
+        least = min(e.inflight for e in endpoints)
+        tied = [e for e in endpoints if e.inflight == least]
+        self._turn = (self._turn + 1) % len(tied) if len(tied) > 1 else 0
+        return tied[self._turn]
 
 
 class Pools:

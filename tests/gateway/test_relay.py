@@ -1,0 +1,369 @@
+"""Worker answers on the way back: SSE rewriting, usage pickup, worker error mapping."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.errors import (
+    RateLimited,
+    UpstreamFailed,
+    UpstreamTimeout,
+    WorkerRejected,
+)
+from gateway.relay import (
+    DONE_EVENT,
+    MAX_ERROR_MESSAGE,
+    StreamRewriter,
+    Usage,
+    error_event,
+    rewrite_answer,
+    worker_error,
+)
+
+MODEL = "org/served"
+USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+
+
+def chunk(content: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": "cmpl-1",
+        "object": "chat.completion.chunk",
+        "model": "worker-name",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}],
+        **extra,
+    }
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def worker_stream() -> bytes:
+    return b"".join(
+        [
+            b": keep-alive\n\n",
+            sse(chunk("Hello")),
+            sse(chunk(" world", usage=USAGE)),
+            sse({**chunk(""), "choices": [], "usage": USAGE}),
+            b"data: [DONE]\n\n",
+        ]
+    )
+
+
+def rewriter(include_usage: bool = True, tier: str = "flex") -> StreamRewriter:
+    return StreamRewriter(MODEL, tier, include_usage, Usage())
+
+
+def events(out: bytes) -> list[bytes]:
+    assert out.endswith(b"\n\n") or out == b""
+    return [e for e in out.split(b"\n\n") if e]
+
+
+def payloads(out: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(e[len(b"data: ") :]) for e in events(out) if e.startswith(b"data: {")]
+
+
+def feed_all(rw: StreamRewriter, parts: list[bytes]) -> bytes:
+    return b"".join(rw.feed(p) for p in parts)
+
+
+# --- StreamRewriter ---------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), crlf=st.booleans(), include_usage=st.booleans())
+def test_any_chunking_gives_the_same_output(
+    data: st.DataObject, crlf: bool, include_usage: bool
+) -> None:
+    stream = worker_stream()
+    if crlf:
+        stream = stream.replace(b"\n", b"\r\n")
+    cuts = sorted(
+        data.draw(st.sets(st.integers(min_value=1, max_value=len(stream) - 1), max_size=20))
+    )
+    bounds = [0, *cuts, len(stream)]
+    parts = [stream[a:b] for a, b in pairwise(bounds)]
+
+    whole = rewriter(include_usage)
+    expected = whole.feed(stream)
+    split = rewriter(include_usage)
+    assert feed_all(split, parts) == expected
+    assert split.done and whole.done
+    assert split.usage == whole.usage
+    assert split.usage.reported
+
+
+def test_one_byte_at_a_time() -> None:
+    stream = worker_stream()
+    rw = rewriter()
+    out = feed_all(rw, [stream[i : i + 1] for i in range(len(stream))])
+    assert out == rewriter().feed(stream)
+    assert len(events(out)) == 5
+
+
+def test_model_and_tier_rewritten_in_every_data_event() -> None:
+    out = rewriter(tier="priority").feed(worker_stream())
+    bodies = payloads(out)
+    assert len(bodies) == 3
+    for body in bodies:
+        assert body["model"] == MODEL
+        assert body["service_tier"] == "priority"
+
+
+def test_other_fields_pass_through() -> None:
+    out = rewriter().feed(sse(chunk("Hi", system_fingerprint="fp", extra={"x": [1, 2]})))
+    (body,) = payloads(out)
+    assert body["system_fingerprint"] == "fp"
+    assert body["extra"] == {"x": [1, 2]}
+    assert body["choices"][0]["delta"]["content"] == "Hi"
+    assert body["id"] == "cmpl-1"
+
+
+def test_done_sets_done_and_is_relayed() -> None:
+    rw = rewriter()
+    assert rw.feed(sse(chunk("a"))) != b""
+    assert not rw.done
+    assert rw.feed(b"data: [DONE]\n\n") == DONE_EVENT
+    assert rw.done
+
+
+def test_done_without_space() -> None:
+    rw = rewriter()
+    assert rw.feed(b"data:[DONE]\n\n") == DONE_EVENT
+    assert rw.done
+
+
+def test_comments_pass_through_untouched() -> None:
+    assert rewriter().feed(b": ping\n\n") == b": ping\n\n"
+    assert rewriter().feed(b"event: message\n\n") == b"event: message\n\n"
+
+
+def test_partial_event_held_back() -> None:
+    rw = rewriter()
+    event = sse(chunk("x"))
+    assert rw.feed(event[:-1]) == b""
+    assert rw.feed(event[-1:]) != b""
+
+
+def test_non_json_data_passes_through() -> None:
+    assert rewriter().feed(b"data: hello\n\n") == b"data: hello\n\n"
+    assert rewriter().feed(b"data: [1, 2]\n\n") == b"data: [1, 2]\n\n"
+
+
+def test_usage_taken_from_chunks() -> None:
+    rw = rewriter()
+    rw.feed(worker_stream())
+    assert rw.usage == Usage(prompt_tokens=11, completion_tokens=3, reported=True)
+
+
+def test_no_usage_means_not_reported() -> None:
+    rw = rewriter()
+    rw.feed(sse(chunk("a")) + DONE_EVENT)
+    assert rw.usage == Usage()
+
+
+def test_usage_chunk_kept_when_include_usage() -> None:
+    out = rewriter(include_usage=True).feed(worker_stream())
+    bodies = payloads(out)
+    assert bodies[-1]["choices"] == []
+    assert bodies[-1]["usage"] == USAGE
+    assert bodies[1]["usage"] == USAGE
+
+
+def test_usage_only_chunk_dropped_and_usage_removed_without_include_usage() -> None:
+    rw = rewriter(include_usage=False)
+    out = rw.feed(worker_stream())
+    bodies = payloads(out)
+    assert len(bodies) == 2
+    assert all("usage" not in b for b in bodies)
+    assert [b["choices"][0]["delta"]["content"] for b in bodies] == ["Hello", " world"]
+    assert out.endswith(DONE_EVENT)
+    assert rw.usage.reported  # billing still gets it
+    assert rw.usage.prompt_tokens == 11
+
+
+def test_crlf_line_endings() -> None:
+    stream = worker_stream()
+    rw = rewriter()
+    out = rw.feed(stream.replace(b"\n", b"\r\n"))
+    assert out == rewriter().feed(stream)
+    assert b"\r" not in out
+    assert rw.done
+
+
+def test_crlf_split_between_cr_and_lf() -> None:
+    event = sse(chunk("x")).replace(b"\n", b"\r\n")
+    rw = rewriter()
+    out = rw.feed(event[:-1]) + rw.feed(event[-1:])
+    assert len(payloads(out)) == 1
+
+
+def test_worker_error_event_becomes_envelope() -> None:
+    rw = rewriter()
+    rw.feed(sse(chunk("a")))
+    out = rw.feed(sse({"error": {"message": "engine died", "type": "InternalServerError"}}))
+    (body,) = payloads(out)
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "engine died" in body["error"]["message"]
+    assert isinstance(rw.error, UpstreamFailed)
+    assert out == error_event(rw.error)
+    assert not rw.done
+
+
+def test_vllm_object_error_event_becomes_envelope() -> None:
+    rw = rewriter()
+    out = rw.feed(sse({"object": "error", "message": "boom", "type": "X", "code": 500}))
+    (body,) = payloads(out)
+    assert "boom" in body["error"]["message"]
+    assert body["error"]["type"] == "api_error"
+    assert rw.error is not None
+
+
+def test_error_event_shape() -> None:
+    out = error_event(UpstreamFailed("broken"))
+    assert out.startswith(b"data: ")
+    assert out.endswith(b"\n\n")
+    assert orjson.loads(out[6:]) == {
+        "error": {"message": "broken", "type": "api_error", "param": None, "code": "upstream_error"}
+    }
+
+
+# --- worker_error ---------------------------------------------------------------------------
+
+
+def test_vllm_400_passes_through_with_message() -> None:
+    body = b'{"object":"error","message":"m","type":"BadRequestError","code":400}'
+    exc = worker_error(400, body)
+    assert isinstance(exc, WorkerRejected)
+    assert exc.status == 400
+    assert exc.message == "m"
+    assert exc.code == "invalid_request"
+    assert exc.envelope()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_envelope_4xx_keeps_code_and_param() -> None:
+    body = orjson.dumps(
+        {"error": {"message": "too long", "code": "context_length_exceeded", "param": "messages"}}
+    )
+    exc = worker_error(422, body)
+    assert isinstance(exc, WorkerRejected)
+    assert (exc.status, exc.message, exc.code, exc.param) == (
+        422,
+        "too long",
+        "context_length_exceeded",
+        "messages",
+    )
+
+
+def test_fastapi_detail_used_as_message() -> None:
+    exc = worker_error(400, b'{"detail": "bad prompt"}')
+    assert exc.message == "bad prompt"
+    exc = worker_error(400, b'{"detail": [{"loc": ["body"], "msg": "x"}]}')
+    assert orjson.loads(exc.message) == [{"loc": ["body"], "msg": "x"}]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_worker_auth_and_not_found_are_502(status: int) -> None:
+    exc = worker_error(status, b'{"message": "nope"}')
+    assert type(exc) is UpstreamFailed
+    assert exc.status == 502
+    assert str(status) in exc.message
+    assert "nope" in exc.message
+
+
+@pytest.mark.parametrize("status", [408, 504])
+def test_worker_timeouts_are_504(status: int) -> None:
+    exc = worker_error(status, b"")
+    assert isinstance(exc, UpstreamTimeout)
+    assert exc.status == 504
+
+
+def test_worker_429_is_rate_limited_with_retry_after() -> None:
+    exc = worker_error(429, b'{"message": "busy"}')
+    assert isinstance(exc, RateLimited)
+    assert exc.status == 429
+    assert exc.code == "model_busy"
+    assert exc.type == "rate_limit_error"
+    assert int(exc.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+def test_worker_5xx_is_502(status: int) -> None:
+    exc = worker_error(status, b'{"object":"error","message":"oom","code":500}')
+    assert type(exc) is UpstreamFailed
+    assert exc.status == 502
+    assert "oom" in exc.message
+
+
+def test_non_json_body_becomes_message() -> None:
+    exc = worker_error(400, b"  <html>Bad Gateway</html>\n")
+    assert isinstance(exc, WorkerRejected)
+    assert exc.message == "<html>Bad Gateway</html>"
+    assert exc.code == "invalid_request"
+
+
+def test_empty_and_invalid_utf8_bodies() -> None:
+    assert worker_error(400, b"").message == "no details"
+    assert "\ufffd" in worker_error(400, b"\xff\xfe oops").message
+
+
+def test_long_messages_are_cut() -> None:
+    exc = worker_error(400, b"x" * (MAX_ERROR_MESSAGE * 3))
+    assert len(exc.message) == MAX_ERROR_MESSAGE
+    exc = worker_error(400, orjson.dumps({"message": "y" * (MAX_ERROR_MESSAGE * 3)}))
+    assert len(exc.message) == MAX_ERROR_MESSAGE
+
+
+def test_json_non_object_body() -> None:
+    assert worker_error(400, b'"just text"').message == "just text"
+
+
+# --- rewrite_answer -------------------------------------------------------------------------
+
+
+def test_rewrite_answer_sets_model_tier_and_reads_usage() -> None:
+    usage = Usage()
+    body = orjson.dumps(
+        {"id": "c1", "model": "worker-name", "choices": [{"text": "hi"}], "usage": USAGE}
+    )
+    out = orjson.loads(rewrite_answer(body, MODEL, "default", usage))
+    assert out["model"] == MODEL
+    assert out["service_tier"] == "default"
+    assert out["choices"] == [{"text": "hi"}]
+    assert out["usage"] == USAGE
+    assert usage == Usage(prompt_tokens=11, completion_tokens=3, reported=True)
+
+
+def test_rewrite_answer_overrides_worker_service_tier() -> None:
+    body = orjson.dumps({"model": "w", "service_tier": "priority"})
+    assert orjson.loads(rewrite_answer(body, MODEL, "flex", Usage()))["service_tier"] == "flex"
+
+
+def test_rewrite_answer_without_usage() -> None:
+    usage = Usage()
+    rewrite_answer(b'{"choices": []}', MODEL, "default", usage)
+    assert not usage.reported
+
+
+@pytest.mark.parametrize("body", [b"not json", b"", b'{"a": ', b"[1, 2]", b"42"])
+def test_rewrite_answer_rejects_garbage(body: bytes) -> None:
+    with pytest.raises(UpstreamFailed) as info:
+        rewrite_answer(body, MODEL, "default", Usage())
+    assert info.value.status == 502
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, "x", {"prompt_tokens": 1}, {"prompt_tokens": "1", "completion_tokens": 2}],
+)
+def test_usage_ignores_incomplete_records(raw: Any) -> None:
+    usage = Usage()
+    usage.take(raw)
+    assert usage == Usage()

@@ -1,0 +1,113 @@
+"""The fallback plan (SPEC 5): order, duplicates, unknown names, who may wait."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import pytest
+
+from gateway.errors import ModelNotFound
+from routing.plan import Candidate, plan_candidates
+from routing.registry import ModelConfig, Registry
+
+
+def registry(*names: str) -> Registry:
+    cfg = ModelConfig.model_validate({"endpoints": [{"url": "http://w:1", "max_concurrency": 1}]})
+    return Registry(dict.fromkeys(names, cfg))
+
+
+REGISTRY = registry("a", "b", "c", "d")
+
+
+def plan(
+    requested: str = "a",
+    fallbacks: Sequence[str] | None = None,
+    *,
+    fail_fast: bool = False,
+    allowed: Collection[str] | None = None,
+) -> list[Candidate]:
+    return plan_candidates(
+        requested, fallbacks, fail_fast=fail_fast, registry=REGISTRY, allowed=allowed
+    )
+
+
+def shape(candidates: list[Candidate]) -> list[tuple[str, int, bool]]:
+    return [(c.model.name, c.index, c.may_wait) for c in candidates]
+
+
+def test_no_models_list_plans_the_requested_model() -> None:
+    assert shape(plan("b")) == [("b", 0, True)]
+
+
+def test_empty_models_list_plans_the_requested_model() -> None:
+    assert shape(plan("b", [])) == [("b", 0, True)]
+
+
+def test_models_list_replaces_model() -> None:
+    assert shape(plan("a", ["c", "b"])) == [("c", 0, False), ("b", 1, True)]
+
+
+def test_duplicates_dropped_first_kept() -> None:
+    assert shape(plan("a", ["b", "c", "b", "a", "c"])) == [
+        ("b", 0, False),
+        ("c", 1, False),
+        ("a", 2, True),
+    ]
+
+
+def test_unknown_names_skipped_index_is_list_position() -> None:
+    assert shape(plan("a", ["nope", "b", "nope", "gone", "c"])) == [
+        ("b", 1, False),
+        ("c", 3, True),
+    ]
+
+
+def test_unknown_last_entry_lets_the_last_known_wait() -> None:
+    assert shape(plan("a", ["b", "c", "nope"])) == [("b", 0, False), ("c", 1, True)]
+
+
+def test_fail_fast_means_nobody_waits() -> None:
+    assert shape(plan("a", ["b", "c"], fail_fast=True)) == [("b", 0, False), ("c", 1, False)]
+    assert shape(plan("a", fail_fast=True)) == [("a", 0, False)]
+
+
+def test_only_last_candidate_may_wait() -> None:
+    candidates = plan("a", ["a", "b", "c", "d"])
+    assert [c.may_wait for c in candidates] == [False, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("requested", "fallbacks"), [("nope", None), ("a", ["x", "y"]), ("x", ["y", "y"])]
+)
+def test_all_unknown_is_model_not_found(requested: str, fallbacks: list[str] | None) -> None:
+    with pytest.raises(ModelNotFound) as info:
+        plan(requested, fallbacks)
+    assert info.value.status == 404
+    assert info.value.code == "model_not_found"
+    assert repr((fallbacks or [requested])[0]) in info.value.message
+
+
+def test_not_found_message_is_bounded() -> None:
+    with pytest.raises(ModelNotFound) as info:
+        plan("x" * 10_000)
+    assert len(info.value.message) < 400
+
+
+def test_allowed_restricts() -> None:
+    assert shape(plan("a", ["a", "b", "c"], allowed={"b"})) == [("b", 1, True)]
+    assert shape(plan("a", ["a", "b", "c"], allowed={"a", "c"})) == [
+        ("a", 0, False),
+        ("c", 2, True),
+    ]
+
+
+def test_nothing_allowed_is_model_not_found() -> None:
+    with pytest.raises(ModelNotFound):
+        plan("a", allowed=set())
+    with pytest.raises(ModelNotFound):
+        plan("a", ["a", "b"], allowed={"c"})
+
+
+def test_candidates_carry_registry_models() -> None:
+    (candidate,) = plan("c")
+    assert candidate.model is REGISTRY.get("c")

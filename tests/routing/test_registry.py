@@ -1,0 +1,78 @@
+"""The registry: capacity, the tiers a model offers, worker model names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from routing.endpoints import Endpoint
+from routing.registry import EndpointConfig, ModelConfig, Registry
+from tiers.policy import Tier
+
+
+def model_config(*concurrency: int, **fields: Any) -> ModelConfig:
+    endpoints = [
+        {"url": f"http://10.0.0.{i + 1}:8000", "max_concurrency": c}
+        for i, c in enumerate(concurrency)
+    ]
+    return ModelConfig.model_validate({"endpoints": endpoints, **fields})
+
+
+def test_capacity_is_sum_of_max_concurrency() -> None:
+    registry = Registry({"a": model_config(4), "b": model_config(64, 32, 1)})
+    assert registry.get("a").capacity == 4  # type: ignore[union-attr]
+    assert registry.get("b").capacity == 97  # type: ignore[union-attr]
+
+
+def test_tiers_always_include_default() -> None:
+    registry = Registry({"m": model_config(1, tiers=["priority"])})
+    model = registry.get("m")
+    assert model is not None
+    assert model.tiers == frozenset({Tier.PRIORITY, Tier.DEFAULT})
+
+
+def test_tiers_default_only_by_default() -> None:
+    model = Registry({"m": model_config(1)}).get("m")
+    assert model is not None
+    assert model.tiers == frozenset({Tier.DEFAULT})
+
+
+def test_tiers_as_listed() -> None:
+    model = Registry({"m": model_config(1, tiers=["flex", "default", "priority"])}).get("m")
+    assert model is not None
+    assert model.tiers == frozenset(Tier)
+
+
+def test_lookup_and_iteration() -> None:
+    registry = Registry({"b": model_config(1), "a": model_config(2)})
+    assert registry.get("missing") is None
+    assert registry.names() == ["b", "a"]
+    assert [m.name for m in registry] == ["b", "a"]
+    assert registry.get("a").config.endpoints[0].max_concurrency == 2  # type: ignore[union-attr]
+
+
+def test_upstream_model_name_defaults_to_ours() -> None:
+    cfg = EndpointConfig.model_validate({"url": "http://w:8000", "max_concurrency": 1})
+    assert Endpoint("org/ours", cfg).upstream_model == "org/ours"
+
+
+def test_upstream_model_name_from_config() -> None:
+    cfg = EndpointConfig.model_validate(
+        {"url": "http://w:8000/", "max_concurrency": 1, "model": "served-name"}
+    )
+    endpoint = Endpoint("org/ours", cfg)
+    assert endpoint.upstream_model == "served-name"
+    assert endpoint.url == "http://w:8000"
+    assert endpoint.inflight == 0
+
+
+def test_base_url_keeps_path_without_trailing_slash() -> None:
+    cfg = EndpointConfig.model_validate({"url": "http://w:8000/pool/", "max_concurrency": 1})
+    assert cfg.base_url == "http://w:8000/pool"
+
+
+@pytest.mark.parametrize("concurrency", [0, -1, 100_001])
+def test_max_concurrency_bounds(concurrency: int) -> None:
+    with pytest.raises(ValueError, match="max_concurrency"):
+        model_config(concurrency)

@@ -1,0 +1,67 @@
+"""Tier names, queue order and the per-tier policy lookup."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from tiers.policy import Tier, TierPolicy, TiersConfig
+
+
+def test_rank_orders_priority_default_flex() -> None:
+    assert sorted(Tier, key=lambda t: t.rank) == [Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX]
+    assert [t.rank for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)] == [0, 1, 2]
+
+
+def test_tier_values_are_the_wire_names() -> None:
+    assert {t.value for t in Tier} == {"priority", "default", "flex"}
+    assert Tier("flex") is Tier.FLEX
+    assert Tier.PRIORITY == "priority"
+
+
+def test_policy_returns_each_tiers_own_policy() -> None:
+    cfg = TiersConfig(
+        priority=TierPolicy(queue_timeout_s=1),
+        default=TierPolicy(queue_timeout_s=2),
+        flex=TierPolicy(queue_timeout_s=3),
+    )
+    assert [cfg.policy(t).queue_timeout_s for t in Tier] == [1.0, 2.0, 3.0]
+    assert cfg.policy(Tier.FLEX) is cfg.flex
+
+
+def test_default_policies() -> None:
+    cfg = TiersConfig()
+    assert cfg.policy(Tier.PRIORITY) == TierPolicy(
+        max_utilization=1.0, queue_timeout_s=60, price_multiplier=1.5
+    )
+    assert cfg.policy(Tier.DEFAULT) == TierPolicy(
+        max_utilization=1.0, queue_timeout_s=30, price_multiplier=1.0
+    )
+    assert cfg.policy(Tier.FLEX) == TierPolicy(
+        max_utilization=0.8, queue_timeout_s=10, price_multiplier=0.5
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_utilization": 0},
+        {"max_utilization": 1.01},
+        {"queue_timeout_s": 0},
+        {"queue_timeout_s": 3601},
+        {"price_multiplier": -0.1},
+        {"surprise": 1},
+    ],
+)
+def test_policy_bounds(fields: dict[str, float]) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        TierPolicy(**fields)
+
+
+def test_free_tier_price_allowed() -> None:
+    assert TierPolicy(price_multiplier=0).price_multiplier == 0.0
+
+
+def test_policies_are_frozen() -> None:
+    with pytest.raises(pydantic.ValidationError):
+        TiersConfig().flex.max_utilization = 1.0  # type: ignore[misc]
