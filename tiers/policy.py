@@ -7,7 +7,6 @@ model, flex only its spare 20 %, and each tier has its own queue timeout and pri
 from __future__ import annotations
 
 from enum import StrEnum
-
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator

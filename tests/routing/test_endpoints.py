@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from itertools import pairwise
 
-import pytest
-
 from routing.endpoints import Pool, Pools
 from routing.registry import ModelConfig, Registry
 
