@@ -1,23 +1,22 @@
 """POST /v1/completions and /v1/chat/completions: the walk of one request (DESIGN.md).
 
-auth -> body -> tier -> fallback plan -> endpoint -> forward -> relay. Each step is a call
-into gateway/, tiers/ or routing/; this module only composes them and owns the ASGI I/O.
+auth -> body -> tier -> fallback plan -> admission (lease) -> forward -> relay -> release.
+Each step is a call into gateway/, tiers/ or routing/; this module composes them and owns
+the ASGI I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
-
-from pydantic import BaseModel
 
 from gateway.auth import Account, key_from_headers
 from gateway.edge import (
     ClientGone,
     Receive,
-    RequestHeaders,
     Scope,
     Send,
     dumps,
@@ -26,14 +25,15 @@ from gateway.edge import (
     read_headers,
     request_id,
     send_error,
-    send_json,
 )
-from gateway.errors import GatewayError, UpstreamBroken
-from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
+from gateway.errors import GatewayError, RateLimited
+from gateway.forward import Exchange, forward
+from gateway.relay import Usage
+from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
+from routing.admission import Admitted
 from routing.endpoints import Endpoint
-from routing.plan import Candidate, plan_candidates
-from routing.upstream import UpstreamResponse
+from routing.plan import plan_candidates
 from tiers.policy import Tier
 from tiers.resolve import applied_tier, requested_tier
 
@@ -41,36 +41,24 @@ from tiers.resolve import applied_tier, requested_tier
 GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
 # vLLM schedules lower `priority` values first.
 WORKER_PRIORITY = {Tier.PRIORITY: -1, Tier.DEFAULT: 0, Tier.FLEX: 1}
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 
 
 @dataclass(slots=True)
-class Job:
-    """One admitted request on its way to one endpoint."""
+class Parsed:
+    """An authenticated, validated request, not yet admitted."""
 
     rid: str
-    account: Account
-    candidate: Candidate
-    tier: Tier
-    endpoint: Endpoint
-    stream: bool
-    include_usage: bool
-    body: bytes
     started: float
-    usage: Usage
-    status: int = 200
-    finished: bool = False
-    first_byte: float | None = None
+    account: Account
+    payload: dict[str, Any]
+    request: GatewayRequest
+    header_tier: str | None
 
 
 class Proxy:
     """The plain ASGI app behind one completion route."""
 
-    def __init__(self, state: GatewayState, path: str, schema: type[BaseModel]) -> None:
+    def __init__(self, state: GatewayState, path: str, schema: type[GatewayRequest]) -> None:
         self._state = state
         self._path = path
         self._schema = schema
@@ -79,185 +67,129 @@ class Proxy:
         started = time.perf_counter()
         headers = read_headers(scope)
         rid = request_id(headers.request_id)
+        state = self._state
         try:
-            job = await self._accept(receive, headers, rid, started)
+            key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
+            account = await state.keys.authenticate(key)
+            limit = state.config.limits.max_body_bytes
+            payload, request = parse_body(
+                await read_body(receive, headers.content_length, limit), self._schema
+            )
         except ClientGone:
             return
         except GatewayError as exc:
-            self._state.metrics.requests.labels("", "", str(exc.status)).inc()
+            state.metrics.requests.labels("", "", str(exc.status)).inc()
             await send_error(send, exc, rid)
             return
-        await self._serve_watched(job, receive, send)
+        parsed = Parsed(rid, started, account, payload, request, headers.service_tier)
+        options = request.stream_options
+        include_usage = True if options is None else bool(options.include_usage)
+        exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
+        await _until_disconnect(self._handle(parsed, exchange, send), receive, exchange)
 
-    async def _accept(
-        self, receive: Receive, headers: RequestHeaders, rid: str, started: float
-    ) -> Job:
-        state = self._state
-        key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
-        account = await state.keys.authenticate(key)
-        body = await read_body(receive, headers.content_length, state.config.limits.max_body_bytes)
-        payload, request = parse_body(body, self._schema)
-        wanted = requested_tier(getattr(request, "service_tier", None), headers.service_tier)
+    async def _handle(self, parsed: Parsed, exchange: Exchange, send: Send) -> None:
+        try:
+            admitted = await self._admit(parsed)
+        except GatewayError as exc:
+            self._rejected(parsed, exc)
+            exchange.finished = True
+            await send_error(send, exc, parsed.rid)
+            return
+        try:
+            endpoint = self._endpoint(admitted)
+            body = _forward_body(parsed, admitted, endpoint)
+            await forward(self._state, exchange, admitted, endpoint, self._path, body, send)
+        finally:
+            await self._state.admission.release(admitted.lease)
+            self._observe(admitted, exchange)
+
+    async def _admit(self, parsed: Parsed) -> Admitted:
+        request, account = parsed.request, parsed.account
+        wanted = requested_tier(request.service_tier, parsed.header_tier)
         candidates = plan_candidates(
-            getattr(request, "model"),  # noqa: B009 - both schemas have it; keeps this generic
-            getattr(request, "models", None),
-            fail_fast=bool(getattr(request, "fail_fast", False)),
-            registry=state.registry,
+            request.model,
+            request.models,
+            fail_fast=request.fail_fast,
+            registry=self._state.registry,
             allowed=account.models,
         )
-        # Admission over Redis (leases, queue, 429) picks among candidates; until it exists
-        # every model has room, so the first known entry serves.
-        candidate = candidates[0]
-        tier = applied_tier(wanted, candidate.model.tiers, account.tiers)
-        endpoint = state.pools.for_model(candidate.model.name).pick()
-        stream = bool(getattr(request, "stream", False))
-        options = getattr(request, "stream_options", None)
-        include_usage = True if options is None else bool(options.include_usage)
-        forward = _forward_body(
-            payload, endpoint, stream, tier, candidate.model.config.worker_priority
+        admitted = await self._state.admission.admit(
+            candidates,
+            lambda model: applied_tier(wanted, model.tiers, account.tiers),
+            account.name,
+            account.max_concurrency,
         )
-        return Job(
-            rid,
-            account,
-            candidate,
-            tier,
-            endpoint,
-            stream,
-            include_usage,
-            forward,
-            started,
-            Usage(),
-        )
+        if admitted.candidate is not candidates[0]:
+            first = candidates[0].model.name
+            self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
+        return admitted
 
-    async def _serve_watched(self, job: Job, receive: Receive, send: Send) -> None:
-        """Serve the job, cancelling it at once if the caller disconnects meanwhile."""
-        task = asyncio.current_task()
-        assert task is not None
-        gone = asyncio.Event()
+    def _endpoint(self, admitted: Admitted) -> Endpoint:
+        pool = self._state.pools.for_model(admitted.candidate.model.name)
+        if admitted.lease.local:
+            return pool.pick()
+        return pool.by_url[admitted.lease.endpoint]
 
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not job.finished:
-                gone.set()
-                task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            await self._serve(job, send)
-        except asyncio.CancelledError:
-            if not gone.is_set():
-                raise
-            task.uncancel()
-            job.status = 499  # nginx's "client closed request", for metrics only
-        finally:
-            watcher.cancel()
-            self._observe(job)
-
-    async def _serve(self, job: Job, send: Send) -> None:
-        endpoint = job.endpoint
-        endpoint.inflight += 1
-        try:
-            try:
-                resp = await self._state.upstream.post(
-                    endpoint.url + self._path, job.body, _worker_headers(endpoint, job.rid)
-                )
-            except GatewayError as exc:
-                await self._fail(job, send, exc)
-                return
-            try:
-                if resp.status != 200:
-                    await self._fail(job, send, worker_error(resp.status, await resp.read()))
-                elif job.stream:
-                    await self._relay_stream(job, resp, send)
-                else:
-                    await self._relay_answer(job, resp, send)
-            finally:
-                resp.close()
-        finally:
-            endpoint.inflight -= 1
-
-    async def _fail(self, job: Job, send: Send, exc: GatewayError) -> None:
-        job.status = exc.status
-        job.finished = True
-        kind = type(exc).__name__
-        self._state.metrics.upstream_errors.labels(
-            job.candidate.model.name, job.endpoint.url, kind
-        ).inc()
-        await send_error(send, exc, job.rid)
-
-    async def _relay_answer(self, job: Job, resp: UpstreamResponse, send: Send) -> None:
-        try:
-            body = rewrite_answer(await resp.read(), job.candidate.model.name, job.tier, job.usage)
-        except GatewayError as exc:
-            await self._fail(job, send, exc)
-            return
-        job.finished = True
-        await send_json(send, 200, body, [(b"x-request-id", job.rid.encode("latin-1"))])
-
-    async def _relay_stream(self, job: Job, resp: UpstreamResponse, send: Send) -> None:
-        rewriter = StreamRewriter(job.candidate.model.name, job.tier, job.include_usage, job.usage)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [*_SSE_HEADERS, (b"x-request-id", job.rid.encode("latin-1"))],
-            }
-        )
-        failure: GatewayError | None = None
-        try:
-            async for chunk in resp.chunks():
-                out = rewriter.feed(chunk)
-                if out:
-                    if job.first_byte is None:
-                        job.first_byte = time.perf_counter()
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                if rewriter.done or rewriter.error is not None:
-                    break
-        except GatewayError as exc:
-            failure = exc
-        if rewriter.error is None and not rewriter.done:
-            failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
-            await send(
-                {"type": "http.response.body", "body": error_event(failure), "more_body": True}
-            )
-        if rewriter.error is not None or failure is not None:
-            job.status = 502
-        job.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    def _observe(self, job: Job) -> None:
+    def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
         metrics = self._state.metrics
-        model, tier = job.candidate.model.name, job.tier.value
-        metrics.requests.labels(model, tier, str(job.status)).inc()
-        metrics.duration.labels(model, tier).observe(time.perf_counter() - job.started)
-        if job.first_byte is not None:
-            metrics.ttft.labels(model, tier).observe(job.first_byte - job.started)
-        if job.usage.reported:
-            metrics.tokens.labels(model, tier, "prompt").inc(job.usage.prompt_tokens)
-            metrics.tokens.labels(model, tier, "completion").inc(job.usage.completion_tokens)
+        model = tier = ""
+        if isinstance(exc, RateLimited):
+            names = parsed.request.models or [parsed.request.model]
+            known = [n for n in names if self._state.registry.get(n) is not None]
+            model = known[-1] if known else ""
+            tier = requested_tier(parsed.request.service_tier, parsed.header_tier).value
+            metrics.rejections.labels(model, tier, exc.code).inc()
+        metrics.requests.labels(model, tier, str(exc.status)).inc()
+
+    def _observe(self, admitted: Admitted, exchange: Exchange) -> None:
+        metrics = self._state.metrics
+        model, tier = admitted.candidate.model.name, admitted.tier.value
+        metrics.requests.labels(model, tier, str(exchange.status)).inc()
+        metrics.duration.labels(model, tier).observe(time.perf_counter() - exchange.started)
+        if exchange.first_byte is not None:
+            metrics.ttft.labels(model, tier).observe(exchange.first_byte - exchange.started)
+        usage = exchange.usage
+        if usage.reported:
+            metrics.tokens.labels(model, tier, "prompt").inc(usage.prompt_tokens)
+            metrics.tokens.labels(model, tier, "completion").inc(usage.completion_tokens)
 
 
-def _forward_body(
-    payload: dict[str, Any], endpoint: Endpoint, stream: bool, tier: Tier, worker_priority: bool
-) -> bytes:
+async def _until_disconnect(
+    work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
+) -> None:
+    """Run `work`, cancelling it at once if the caller disconnects before it has finished."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not exchange.finished:
+            gone.set()
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await work
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise
+        task.uncancel()
+        exchange.status = 499  # nginx's "client closed request", for metrics only
+    finally:
+        watcher.cancel()
+
+
+def _forward_body(parsed: Parsed, admitted: Admitted, endpoint: Endpoint) -> bytes:
     """The caller's body as the worker should see it: unknown fields untouched."""
-    forward = {k: v for k, v in payload.items() if k not in GATEWAY_ONLY}
+    forward = {k: v for k, v in parsed.payload.items() if k not in GATEWAY_ONLY}
     forward["model"] = endpoint.upstream_model
-    if stream:
+    if parsed.request.stream:
         # Billing needs the worker's usage even when the caller does not want to see it.
         options = forward.get("stream_options")
-        forward["stream_options"] = {
-            **(options if isinstance(options, dict) else {}),
-            "include_usage": True,
-        }
-    if worker_priority:
-        forward["priority"] = WORKER_PRIORITY[tier]
+        given = options if isinstance(options, dict) else {}
+        forward["stream_options"] = {**given, "include_usage": True}
+    if admitted.candidate.model.config.worker_priority:
+        forward["priority"] = WORKER_PRIORITY[admitted.tier]
     return dumps(forward)
-
-
-def _worker_headers(endpoint: Endpoint, rid: str) -> dict[str, str]:
-    headers = {"content-type": "application/json", "x-request-id": rid}
-    if endpoint.config.api_key:
-        headers["authorization"] = f"Bearer {endpoint.config.api_key}"
-    return headers

@@ -7,9 +7,11 @@ import redis.asyncio as aioredis
 from gateway.auth import KeyStore
 from gateway.metrics import Metrics
 from gateway.settings import GatewayConfig
+from routing.admission import Admission
 from routing.endpoints import Pools
+from routing.keeper import Keeper
 from routing.registry import Registry
-from routing.store import connect
+from routing.store import connect, subscriber
 from routing.upstream import Upstream
 
 
@@ -22,6 +24,7 @@ class GatewayState:
         *,
         redis: aioredis.Redis | None = None,
         upstream: Upstream | None = None,
+        sweep_interval_s: float = 1.0,
     ) -> None:
         self.config = config
         self.registry = Registry(config.models)
@@ -30,6 +33,15 @@ class GatewayState:
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
         self.keys = KeyStore(config.keys, self.redis)
+        self.admission = Admission(
+            self.redis,
+            self.registry,
+            config.tiers,
+            lease_ttl_s=config.redis.lease_ttl_s,
+            on_outage=config.redis.on_outage,
+        )
+        interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
+        self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
         self.metrics = Metrics()
         for model in self.registry:
             self.metrics.capacity.labels(model.name).set(model.capacity)
@@ -38,7 +50,22 @@ class GatewayState:
 
     async def start(self) -> None:
         await self.upstream.start()
+        await self.admission.start()
+        await self.keeper.start()
 
     async def close(self) -> None:
+        await self.keeper.close()
+        await self.admission.close()
         await self.upstream.close()
+        if self.keeper.pubsub_redis is not self.redis:
+            await self.keeper.pubsub_redis.aclose()
         await self.redis.aclose()
+
+    def render_metrics(self) -> bytes:
+        """Prometheus text; the fleet-wide gauges come from the keeper's last sweep."""
+        m = self.metrics
+        for model, state in self.keeper.states.items():
+            m.inflight.labels(model).set(state.inflight)
+            for tier, depth in state.queued.items():
+                m.queue_depth.labels(model, tier.value).set(depth)
+        return m.render()

@@ -26,10 +26,11 @@ class Endpoint:
 class Pool:
     """The endpoints of one model."""
 
-    __slots__ = ("_turn", "endpoints")
+    __slots__ = ("_turn", "by_url", "endpoints")
 
     def __init__(self, model: Model) -> None:
         self.endpoints = [Endpoint(model.name, e) for e in model.config.endpoints]
+        self.by_url = {e.url: e for e in self.endpoints}
         self._turn = 0
 
     def pick(self) -> Endpoint:

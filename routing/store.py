@@ -21,3 +21,13 @@ def connect(url: str) -> aioredis.Redis:
         health_check_interval=15,
         max_connections=512,
     )
+
+
+def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
+    """A client for the one pub/sub subscription: no socket timeout, so a quiet channel is
+    not an error (redis-py #2807). memory:// shares the in-process server of `client`."""
+    if url.startswith("memory://"):
+        return client
+    return aioredis.Redis.from_url(
+        url, socket_connect_timeout=2.0, socket_timeout=None, health_check_interval=15
+    )

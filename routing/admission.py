@@ -1,0 +1,345 @@
+"""Fleet-wide admission (SPEC 4 and 5): slots leased in Redis, a tiered queue, precise 429s.
+
+`Admission.admit` walks the request's candidates (routing.plan) and returns a `Lease` on one
+model's endpoint, or raises `RateLimited` with the last entry's reason. Every path out of a
+request calls `release` (shielded from cancellation). The Redis protocol lives in
+routing/slots.py and the Lua files; the background work (sweep, keep-alive, wake-ups) in
+routing/keeper.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.errors import RateLimited, ServiceUnavailable
+from routing.plan import Candidate
+from routing.registry import Model, Registry
+from routing.slots import (
+    BUSY,
+    FULL,
+    GRANTED,
+    QUEUED,
+    Attempt,
+    ModelSlots,
+    Scripts,
+    account_key,
+    attempt,
+    text,
+)
+from tiers.policy import Tier, TiersConfig
+
+log = logging.getLogger("gateway.admission")
+
+STORE_ERRORS = (RedisError, OSError)
+# Past this, a computed Retry-After says more about noise than about the queue.
+MAX_RETRY_AFTER_S = 60
+
+
+@dataclass(slots=True)
+class Lease:
+    """A slot held on one endpoint of one model (and in the account's own count)."""
+
+    id: str
+    model: str
+    endpoint: str
+    account: str
+    queued_ms: float
+    local: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    lease: Lease
+    candidate: Candidate
+    tier: Tier
+
+
+class Admission:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        registry: Registry,
+        tiers: TiersConfig,
+        *,
+        lease_ttl_s: float,
+        on_outage: str,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis = redis
+        self.scripts = Scripts()
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.ttl_ms = int(lease_ttl_s * 1000)
+        self.on_outage = on_outage
+        self._tiers = tiers
+        self._clock = clock
+        self._ids = itertools.count()
+        self.slots = {m.name: _slots(m, tiers, self.ttl_ms) for m in registry}
+        self.held: dict[str, Lease] = {}
+        self.waiters: dict[str, tuple[str, asyncio.Future[str]]] = {}
+        # Slots freed per second, per model, fleet-wide (fed by the keeper's sweep).
+        self.freed_rate: dict[str, float] = {}
+        self.replicas = 1
+        self.local = LocalShares(registry, tiers)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        try:
+            await self.scripts.load(self.redis)
+        except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
+            log.warning("admission store unreachable at start: %s", type(exc).__name__)
+
+    async def admit(
+        self,
+        candidates: Sequence[Candidate],
+        tier_of: Callable[[Model], Tier],
+        account: str,
+        account_limit: int,
+        affinity: Callable[[Model], Sequence[str] | None] | None = None,
+    ) -> Admitted:
+        lease_id = f"{self.replica_id}-{next(self._ids)}"
+        akey = account_key(account)
+        started = self._clock()
+        held_account = False
+        try:
+            last: RateLimited | None = None
+            for pos, cand in enumerate(candidates):
+                tier = tier_of(cand.model)
+                call = self._attempt_call(cand, tier, lease_id, affinity)
+                if pos == 0:
+                    account_call = ("account", [akey], [lease_id, account_limit, self.ttl_ms])
+                    replies = await self._shielded(
+                        cand.model.name, lease_id, akey, [account_call, call]
+                    )
+                    held_account = int(replies[0]) == 1
+                    result = attempt(replies[1])
+                    if not held_account:
+                        await self._undo(cand.model.name, lease_id, result)
+                        raise RateLimited(
+                            f"Account {account[:64]!r} has {account_limit} requests in flight.",
+                            code="concurrency_limit",
+                            retry_after_s=1,
+                        )
+                else:
+                    result = attempt(
+                        (await self._shielded(cand.model.name, lease_id, None, [call]))[0]
+                    )
+                endpoint = await self._settle(cand, tier, lease_id, result)
+                if endpoint is not None:
+                    queued = (self._clock() - started) * 1000
+                    lease = Lease(lease_id, cand.model.name, endpoint, akey, queued)
+                    self.held[lease_id] = lease
+                    held_account = False  # the lease owns it now
+                    return Admitted(lease, cand, tier)
+                last = self._rejection(cand.model, tier, result)
+            assert last is not None
+            raise last
+        except STORE_ERRORS as exc:
+            return self._outage(candidates, tier_of, lease_id, akey, exc)
+        finally:
+            if held_account:
+                self._spawn(self._forget_account(akey, lease_id))
+
+    def _attempt_call(
+        self,
+        cand: Candidate,
+        tier: Tier,
+        lease_id: str,
+        affinity: Callable[[Model], Sequence[str] | None] | None,
+    ) -> Any:
+        wait_ms = int(self._tiers.policy(tier).queue_timeout_s * 1000)
+        if cand.may_wait:
+            # Registered before the call: a wake-up may arrive before the reply does.
+            self.waiters[lease_id] = (cand.model.name, asyncio.get_running_loop().create_future())
+        preferred = affinity(cand.model) if affinity is not None else None
+        return self.slots[cand.model.name].acquire(
+            lease_id, tier, may_wait=cand.may_wait, wait_ms=wait_ms + 5000, affinity=preferred
+        )
+
+    async def _settle(
+        self, cand: Candidate, tier: Tier, lease_id: str, result: Attempt
+    ) -> str | None:
+        """The granted endpoint (at once, or after waiting in the queue), or None."""
+        if result.status != QUEUED:
+            self.waiters.pop(lease_id, None)
+            return result.endpoint if result.status == GRANTED else None
+        _, future = self.waiters[lease_id]
+        timeout = self._tiers.policy(tier).queue_timeout_s
+        try:
+            await asyncio.wait({future}, timeout=timeout)
+        except asyncio.CancelledError:
+            self._spawn(self._abandon(cand.model.name, lease_id))
+            raise
+        finally:
+            self.waiters.pop(lease_id, None)
+        if future.done():
+            return future.result()
+        # Timed out; the slot may have been granted just now (its message still on the way).
+        granted = text(
+            await self.scripts.run(self.redis, self.slots[cand.model.name].cancel(lease_id))
+        )
+        if granted:
+            return granted
+        raise RateLimited(
+            f"Waited {timeout:g}s in the queue of {cand.model.name!r} without a free slot.",
+            code="queue_timeout",
+            retry_after_s=self.retry_after(cand.model.name, 0),
+        )
+
+    def _rejection(self, model: Model, tier: Tier, result: Attempt) -> RateLimited:
+        retry = self.retry_after(model.name, result.ahead)
+        if result.status == FULL:
+            message = f"The queue of {model.name!r} is full ({result.ahead} waiting)."
+            return RateLimited(message, code="queue_full", retry_after_s=retry)
+        assert result.status == BUSY
+        if tier is Tier.FLEX:
+            message = f"No spare capacity on {model.name!r} for the flex tier."
+            return RateLimited(message, code="flex_no_capacity", retry_after_s=retry)
+        message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
+        return RateLimited(message, code="model_busy", retry_after_s=retry)
+
+    def retry_after(self, model: str, ahead: int) -> int:
+        """Seconds until a slot is likely free for a newcomer: the queue ahead over the rate
+        at which the fleet frees slots of this model."""
+        rate = self.freed_rate.get(model, 0.0)
+        if rate <= 0.0:
+            return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
+
+    async def release(self, lease: Lease) -> None:
+        """Give the slot back; runs to the end even if the caller is being cancelled."""
+        await asyncio.shield(self._spawn(self._release(lease)))
+
+    async def _release(self, lease: Lease) -> None:
+        self.held.pop(lease.id, None)
+        if lease.local:
+            self.local.release(lease.model)
+            return
+        calls = [self.slots[lease.model].release(lease.id), ("ZREM", [lease.account], [lease.id])]
+        try:
+            await self.scripts.execute(self.redis, calls)
+        except STORE_ERRORS as exc:
+            log.warning("release of a lease failed (%s); it expires by its TTL", type(exc).__name__)
+
+    async def _shielded(
+        self, model: str, lease_id: str, akey: str | None, calls: list[Any]
+    ) -> list[Any]:
+        """Run admission calls; if the caller is cancelled meanwhile, undo what they took."""
+        task = asyncio.get_running_loop().create_task(self.scripts.execute(self.redis, calls))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._spawn(self._undo_later(task, model, lease_id, akey))
+            raise
+
+    async def _undo_later(
+        self, task: asyncio.Task[list[Any]], model: str, lease_id: str, akey: str | None
+    ) -> None:
+        try:
+            replies = await task
+        except STORE_ERRORS:
+            return
+        await self._undo(model, lease_id, attempt(replies[-1]))
+        if akey is not None and int(replies[0]) == 1:
+            await self._forget_account(akey, lease_id)
+
+    async def _undo(self, model: str, lease_id: str, result: Attempt) -> None:
+        if result.status == GRANTED:
+            await self.scripts.run(self.redis, self.slots[model].release(lease_id))
+        elif result.status == QUEUED:
+            self.waiters.pop(lease_id, None)
+            await self._abandon(model, lease_id)
+
+    async def _abandon(self, model: str, lease_id: str) -> None:
+        """A waiter leaves (caller gone): out of the queue, or its late grant given back."""
+        try:
+            slots = self.slots[model]
+            if text(await self.scripts.run(self.redis, slots.cancel(lease_id))):
+                await self.scripts.run(self.redis, slots.release(lease_id))
+        except STORE_ERRORS as exc:
+            log.warning("abandoning a waiter failed (%s); it expires", type(exc).__name__)
+
+    async def _forget_account(self, akey: str, lease_id: str) -> None:
+        try:
+            await self.redis.zrem(akey, lease_id)
+        except STORE_ERRORS as exc:
+            log.warning("account release failed (%s); it expires", type(exc).__name__)
+
+    def _outage(
+        self,
+        candidates: Sequence[Candidate],
+        tier_of: Callable[[Model], Tier],
+        lease_id: str,
+        akey: str,
+        exc: BaseException,
+    ) -> Admitted:
+        self.waiters.pop(lease_id, None)
+        if self.on_outage != "local":
+            raise ServiceUnavailable(
+                "The admission store (Redis) is unreachable; try again shortly."
+            ) from exc
+        last: RateLimited | None = None
+        for cand in candidates:
+            tier = tier_of(cand.model)
+            if self.local.take(cand.model.name, tier, self.replicas):
+                lease = Lease(lease_id, cand.model.name, "", akey, 0.0, local=True)
+                self.held[lease_id] = lease
+                return Admitted(lease, cand, tier)
+            last = RateLimited(
+                f"{cand.model.name!r} has no free slot in this replica's share.",
+                code="flex_no_capacity" if tier is Tier.FLEX else "model_busy",
+                retry_after_s=1,
+            )
+        assert last is not None
+        raise last
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Give back every slot this replica still holds (best effort) and finish cleanups."""
+        for lease in list(self.held.values()):
+            await self._release(lease)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+
+
+class LocalShares:
+    """Admission while Redis is down under `on_outage: local`: this replica's share only."""
+
+    def __init__(self, registry: Registry, tiers: TiersConfig) -> None:
+        self._capacity = {m.name: m.capacity for m in registry}
+        self._tiers = tiers
+        self._inflight: dict[str, int] = dict.fromkeys(self._capacity, 0)
+
+    def take(self, model: str, tier: Tier, replicas: int) -> bool:
+        share = self._capacity[model] / max(1, replicas)
+        ceiling = share * self._tiers.policy(tier).max_utilization
+        if self._inflight[model] >= max(1.0, math.floor(ceiling)):
+            return False
+        self._inflight[model] += 1
+        return True
+
+    def release(self, model: str) -> None:
+        self._inflight[model] -= 1
+
+
+def _slots(model: Model, tiers: TiersConfig, ttl_ms: int) -> ModelSlots:
+    endpoints = [(e.base_url, e.max_concurrency) for e in model.config.endpoints]
+    capacity = model.capacity
+    ceilings = {t: capacity * tiers.policy(t).max_utilization for t in Tier}
+    return ModelSlots(model.name, endpoints, ceilings, model.config.max_queue, ttl_ms)

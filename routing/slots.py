@@ -1,0 +1,176 @@
+"""The Redis side of admission: the Lua scripts and the keys of one model, as typed calls.
+
+Keys of one model share the hash tag `{model}` (one Redis Cluster slot per script call);
+times come from Redis `TIME` inside the scripts, never from a replica's clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
+from tiers.policy import Tier
+
+GRANTED, QUEUED, BUSY, FULL = 1, 2, 0, -1
+
+
+def _lua(name: str) -> str:
+    return resources.files("routing").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+# One script call: (script name, KEYS, ARGV), to run alone or batched in one round trip.
+Call = tuple[str, Sequence[str], Sequence[Any]]
+
+_PRELUDED = ("acquire", "release", "cancel", "sweep")
+_PLAIN = ("refresh", "account", "heartbeat")
+
+
+class Scripts:
+    """The Lua scripts, registered once with SCRIPT LOAD and run by EVALSHA.
+
+    Not redis-py's `register_script`: its pipelines ask SCRIPT EXISTS before every execute,
+    a second round trip on the hot path. Here a NOSCRIPT reply (Redis restarted) reloads.
+    """
+
+    def __init__(self) -> None:
+        prelude = _lua("prelude.lua")
+        self._text = {n: prelude + _lua(f"{n}.lua") for n in _PRELUDED}
+        self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
+        self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
+
+    async def load(self, client: aioredis.Redis) -> None:
+        for name, text in self._text.items():
+            sha = await client.script_load(text)
+            if sha != self.sha[name]:
+                raise RuntimeError(f"script {name}: Redis computed another sha1")
+
+    async def run(self, client: aioredis.Redis, call: Call) -> Any:
+        return (await self.execute(client, [call]))[0]
+
+    async def execute(self, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
+        """Several calls in one round trip (a pipeline without MULTI).
+
+        A call names one of the scripts, or else a plain Redis command (e.g. ZREM).
+        """
+        for retry in (False, True):
+            pipe = client.pipeline(transaction=False)
+            for name, keys, args in calls:
+                sha = self.sha.get(name)
+                if sha is None:
+                    pipe.execute_command(name, *keys, *args)
+                else:
+                    pipe.evalsha(sha, len(keys), *keys, *args)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if retry:
+                    raise
+                await self.load(client)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    status: int
+    endpoint: str
+    inflight: int
+    # Waiters ahead of this request (for BUSY/QUEUED) or the queue depth (for FULL).
+    ahead: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    inflight: int
+    queued: dict[Tier, int]
+    freed: int
+
+
+def account_key(account: str) -> str:
+    return "gw:acct:{" + account + "}"
+
+
+class ModelSlots:
+    """One model's slots in Redis: its keys and the script calls on them, arguments built once."""
+
+    def __init__(
+        self,
+        model: str,
+        endpoints: Sequence[tuple[str, int]],
+        ceilings: dict[Tier, float],
+        max_queue: int,
+        ttl_ms: int,
+    ) -> None:
+        tag = "gw:{" + model + "}:"
+        self.model = model
+        self.keys = [
+            tag + k for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp")
+        ]
+        self.channel = tag + "wake"
+        self.capacity = sum(m for _, m in endpoints)
+        self.max_queue = max_queue
+        self._ttl = ttl_ms
+        self._sizes = dict(endpoints)
+        self._ceilings = [ceilings[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        self._endpoints: list[Any] = [len(endpoints)]
+        for url, size in endpoints:
+            self._endpoints += [url, size]
+
+    def acquire(
+        self,
+        lease_id: str,
+        tier: Tier,
+        *,
+        may_wait: bool,
+        wait_ms: int,
+        affinity: Sequence[str] | None = None,
+    ) -> Call:
+        endpoints = self._endpoints
+        mode = "least"
+        if affinity:
+            mode = "first"
+            endpoints = [len(affinity)]
+            for url in affinity:
+                endpoints += [url, self._sizes[url]]
+        args = [lease_id, self._ttl, tier.rank, int(may_wait), self.max_queue, wait_ms,
+                self.channel, mode, *self._ceilings, *endpoints]  # fmt: skip
+        return ("acquire", self.keys, args)
+
+    def release(self, lease_id: str) -> Call:
+        args = [lease_id, self._ttl, self.channel, *self._ceilings, *self._endpoints]
+        return ("release", self.keys, args)
+
+    def cancel(self, waiter_id: str) -> Call:
+        """Reply: '' if the waiter was still queued (now removed), else its granted endpoint."""
+        return ("cancel", self.keys, [waiter_id])
+
+    def sweep(self) -> Call:
+        return ("sweep", self.keys, [self._ttl, self.channel, *self._ceilings, *self._endpoints])
+
+    def refresh(self, lease_ids: Sequence[str]) -> Call:
+        return ("refresh", self.keys[:1], [self._ttl, *lease_ids])
+
+    @property
+    def granted_key(self) -> str:
+        """The lease -> endpoint hash, where a grant whose message was lost can be found."""
+        return self.keys[2]
+
+
+def attempt(reply: Sequence[Any]) -> Attempt:
+    return Attempt(int(reply[0]), text(reply[1]), int(reply[2]), int(reply[3]))
+
+
+def model_state(reply: Sequence[Any]) -> ModelState:
+    queued = {Tier.PRIORITY: int(reply[1]), Tier.DEFAULT: int(reply[2]), Tier.FLEX: int(reply[3])}
+    return ModelState(int(reply[0]), queued, int(reply[4]))
+
+
+def text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    return "" if value is None else str(value)
