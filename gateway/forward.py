@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway.edge import Send, send_error, send_json
+from gateway.edge import ClientGone, Send, send_error, send_json
 from gateway.errors import GatewayError, UpstreamBroken
 from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
 from gateway.state import GatewayState
@@ -126,6 +126,8 @@ async def _relay_stream(
                 break
     except GatewayError as exc:
         failure = exc
+    except OSError as exc:  # the server could not write to the caller: it is gone
+        raise ClientGone() from exc
     if rewriter.error is None and not rewriter.done:
         failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
         await send({"type": "http.response.body", "body": error_event(failure), "more_body": True})

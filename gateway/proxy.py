@@ -99,6 +99,11 @@ class Proxy:
             endpoint = self._endpoint(admitted)
             body = _forward_body(parsed, admitted, endpoint)
             await forward(self._state, exchange, admitted, endpoint, self._path, body, send)
+        except ClientGone:
+            exchange.status = 499  # nginx's "client closed request", for metrics only
+        except asyncio.CancelledError:
+            exchange.status = 499
+            raise
         finally:
             await self._state.admission.release(admitted.lease)
             self._observe(admitted, exchange)
@@ -176,7 +181,6 @@ async def _until_disconnect(
         if not gone.is_set():
             raise
         task.uncancel()
-        exchange.status = 499  # nginx's "client closed request", for metrics only
     finally:
         watcher.cancel()
 

@@ -66,6 +66,9 @@ class _Slots:
     def __init__(self, size: int) -> None:
         self.size = size
         self.running = 0
+        # High-water marks, so tests can prove the gateway never overloaded this worker.
+        self.peak_running = 0
+        self.peak_waiting = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -75,6 +78,7 @@ class _Slots:
     def try_acquire(self) -> bool:
         if self.running < self.size and not self._waiters:
             self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
             return True
         return False
 
@@ -83,6 +87,7 @@ class _Slots:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        self.peak_waiting = max(self.peak_waiting, len(self._waiters))
         try:
             await waiter
         except asyncio.CancelledError:
@@ -115,7 +120,11 @@ class _Metrics:
                 "KV-cache usage, simulated as running / max_seqs. 1 means 100 percent.",
                 lambda: slots.running / slots.size,
             ),
-        )
+            ("sim:peak_requests_running", "Most requests ever running at once.",
+             lambda: slots.peak_running),
+            ("sim:peak_requests_waiting", "Most requests ever waiting at once.",
+             lambda: slots.peak_waiting),
+        )  # fmt: skip
         for name, doc, read in gauges:
             gauge = Gauge(name, doc, ["model_name"], registry=self.registry)
             gauge.labels(models[0]).set_function(read)
