@@ -21,8 +21,8 @@ redis:
 	bash .ci/redis-up
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway routing tiers tests
-	$(BIN)/ruff format --check gateway routing tiers tests
+	$(BIN)/ruff check gateway routing tiers tests bench
+	$(BIN)/ruff format --check gateway routing tiers tests bench
 	$(BIN)/mypy
 
 test: $(STAMP) redis lint
