@@ -99,7 +99,7 @@ class GatewayApp:
         return _json({"status": "ready"}, request)
 
     async def _metrics(self, request: Request) -> Response:
-        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(self.state.render_metrics(), media_type=CONTENT_TYPE)
 
     async def _openapi_json(self, request: Request) -> Response:
         return Response(self._openapi, media_type="application/json")

@@ -138,9 +138,20 @@ async def test_fail_fast_is_429_and_a_waiter_is_served_when_a_slot_frees(fleet: 
             waiter = asyncio.create_task(post(b, body("cap2")))
             await until(lambda: _queued_is(("cap2", 1)), "the waiter to queue")
             assert not waiter.done()
+            # The fleet-wide gauges come from Redis: any replica shows them after its sweep.
+            await until(lambda: _gauges_show(a, inflight=2, queued=1), "gauges to show it")
         served = await asyncio.wait_for(waiter, 20)
         assert served.status_code == 200
         assert served.json()["model"] == "cap2"
+
+
+async def _gauges_show(url: str, *, inflight: int, queued: int) -> bool:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(url + "/metrics")).text
+    return (
+        f'gateway_inflight{{model="cap2"}} {inflight:.1f}' in text
+        and f'gateway_queue_depth{{model="cap2",tier="default"}} {queued:.1f}' in text
+    )
 
 
 async def _queued_is(expect: tuple[str, int]) -> bool:
