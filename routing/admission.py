@@ -17,7 +17,8 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -40,6 +41,7 @@ from routing.slots import (
 from tiers.policy import Tier, TiersConfig
 
 log = logging.getLogger("gateway.admission")
+T = TypeVar("T")
 
 STORE_ERRORS = (RedisError, OSError)
 # Past this, a computed Retry-After says more about noise than about the queue.
@@ -119,13 +121,16 @@ class Admission:
                 call = self._attempt_call(cand, tier, lease_id, affinity)
                 if pos == 0:
                     account_call = ("account", [akey], [lease_id, account_limit, self.ttl_ms])
-                    replies = await self._shielded(
-                        cand.model.name, lease_id, akey, [account_call, call]
+                    replies = await self._outliving(
+                        self.scripts.execute(self.redis, [account_call, call]),
+                        partial(self._undo_replies, cand.model.name, lease_id, akey),
                     )
                     held_account = int(replies[0]) == 1
                     result = attempt(replies[1])
                     if not held_account:
-                        await self._undo(cand.model.name, lease_id, result)
+                        await asyncio.shield(
+                            self._spawn(self._undo(cand.model.name, lease_id, result))
+                        )
                         raise RateLimited(
                             f"Account {account[:64]!r} has {account_limit} requests in flight.",
                             code="concurrency_limit",
@@ -133,7 +138,12 @@ class Admission:
                         )
                 else:
                     result = attempt(
-                        (await self._shielded(cand.model.name, lease_id, None, [call]))[0]
+                        (
+                            await self._outliving(
+                                self.scripts.execute(self.redis, [call]),
+                                partial(self._undo_replies, cand.model.name, lease_id, None),
+                            )
+                        )[0]
                     )
                 endpoint = await self._settle(cand, tier, lease_id, result)
                 if endpoint is not None:
@@ -148,6 +158,7 @@ class Admission:
         except STORE_ERRORS as exc:
             return self._outage(candidates, tier_of, lease_id, akey, exc)
         finally:
+            self.waiters.pop(lease_id, None)
             if held_account:
                 self._spawn(self._forget_account(akey, lease_id))
 
@@ -186,8 +197,12 @@ class Admission:
         if future.done():
             return future.result()
         # Timed out; the slot may have been granted just now (its message still on the way).
+        model = cand.model.name
         granted = text(
-            await self.scripts.run(self.redis, self.slots[cand.model.name].cancel(lease_id))
+            await self._outliving(
+                self.scripts.run(self.redis, self.slots[model].cancel(lease_id)),
+                partial(self._release_late_grant, model, lease_id),
+            )
         )
         if granted:
             return granted
@@ -232,27 +247,38 @@ class Admission:
         except STORE_ERRORS as exc:
             log.warning("release of a lease failed (%s); it expires by its TTL", type(exc).__name__)
 
-    async def _shielded(
-        self, model: str, lease_id: str, akey: str | None, calls: list[Any]
-    ) -> list[Any]:
-        """Run admission calls; if the caller is cancelled meanwhile, undo what they took."""
-        task = asyncio.get_running_loop().create_task(self.scripts.execute(self.redis, calls))
+    async def _outliving(
+        self, work: Coroutine[Any, Any, T], undo: Callable[[T], Coroutine[Any, Any, None]]
+    ) -> T:
+        """Await `work` in a task of its own: if the caller is cancelled meanwhile, the task
+        still finishes and `undo` gives back whatever it took (no slot is ever orphaned)."""
+        task = asyncio.get_running_loop().create_task(work)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._spawn(self._undo_later(task, model, lease_id, akey))
+            self._spawn(self._undo_when_done(task, undo))
             raise
 
-    async def _undo_later(
-        self, task: asyncio.Task[list[Any]], model: str, lease_id: str, akey: str | None
+    async def _undo_when_done(
+        self, task: asyncio.Task[T], undo: Callable[[T], Coroutine[Any, Any, None]]
     ) -> None:
         try:
-            replies = await task
+            result = await task
         except STORE_ERRORS:
             return
+        await undo(result)
+
+    async def _undo_replies(
+        self, model: str, lease_id: str, akey: str | None, replies: list[Any]
+    ) -> None:
+        self.waiters.pop(lease_id, None)
         await self._undo(model, lease_id, attempt(replies[-1]))
         if akey is not None and int(replies[0]) == 1:
             await self._forget_account(akey, lease_id)
+
+    async def _release_late_grant(self, model: str, lease_id: str, reply: Any) -> None:
+        if text(reply):
+            await self.scripts.run(self.redis, self.slots[model].release(lease_id))
 
     async def _undo(self, model: str, lease_id: str, result: Attempt) -> None:
         if result.status == GRANTED:
@@ -304,7 +330,7 @@ class Admission:
         assert last is not None
         raise last
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,746 @@
+"""Fleet-wide admission (SPEC 4 and 5) against the real Redis: leases, fallbacks, the tiered
+queue across replicas, wake-ups, cancellation, outages, and a randomized concurrent run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.errors import RateLimited, ServiceUnavailable
+from gateway.settings import GatewayConfig, parse_config
+from routing.admission import Admission, Admitted, Lease
+from routing.keeper import Keeper
+from routing.plan import Candidate, plan_candidates
+from routing.registry import Model, Registry
+from routing.slots import QUEUED, text
+from tests.conftest import REDIS_URL
+from tiers.policy import Tier
+
+CONFIG = """
+tiers:
+  priority: {queue_timeout_s: 0.5}
+  default: {queue_timeout_s: 0.5}
+  flex: {queue_timeout_s: 0.5}
+models:
+  two:
+    tiers: [default, priority, flex]
+    max_queue: 2
+    endpoints:
+      - {url: "http://two-a:8000", max_concurrency: 1}
+      - {url: "http://two-b:8000", max_concurrency: 1}
+  one:
+    tiers: [default, priority, flex]
+    max_queue: 0
+    endpoints:
+      - {url: "http://one-a:8000", max_concurrency: 1}
+  five:
+    tiers: [default, priority, flex]
+    max_queue: 50
+    endpoints:
+      - {url: "http://five-a:8000", max_concurrency: 2}
+      - {url: "http://five-b:8000", max_concurrency: 3}
+"""
+TWO_ENDPOINTS = {"http://two-a:8000", "http://two-b:8000"}
+BOUND_S = 5.0
+T = TypeVar("T")
+
+
+async def bounded(awaitable: Awaitable[T], seconds: float = BOUND_S) -> T:
+    return await asyncio.wait_for(awaitable, seconds)
+
+
+def tier_is(tier: Tier) -> Callable[[Model], Tier]:
+    return lambda _model: tier
+
+
+def on_subscribed(client: aioredis.Redis) -> asyncio.Event:
+    """An event set when a pub/sub made from `client` reads Redis's subscribe confirmation."""
+    subscribed = asyncio.Event()
+    make = client.pubsub
+
+    def pubsub(**options: Any) -> Any:
+        made = make(**options)
+        handle: Callable[..., Awaitable[Any]] = made.handle_message
+
+        async def handle_message(response: Any, ignore_subscribe_messages: bool = False) -> Any:
+            if isinstance(response, list) and text(response[0]) == "subscribe":
+                subscribed.set()
+            return await handle(response, ignore_subscribe_messages)
+
+        made.handle_message = handle_message  # type: ignore[method-assign]
+        return made
+
+    client.pubsub = pubsub  # type: ignore[method-assign]
+    return subscribed
+
+
+@dataclass
+class Fleet:
+    """Replicas of the gateway's admission sharing one Redis, built by small factories."""
+
+    config: GatewayConfig
+    registry: Registry
+    redis: aioredis.Redis
+    _admissions: list[Admission] = field(default_factory=list)
+    _keepers: list[Keeper] = field(default_factory=list)
+    _clients: list[aioredis.Redis] = field(default_factory=list)
+
+    def client(self, url: str = REDIS_URL, **options: Any) -> aioredis.Redis:
+        client = aioredis.Redis.from_url(url, **options)
+        self._clients.append(client)
+        return client
+
+    async def admission(
+        self, *, on_outage: str = "reject", redis: aioredis.Redis | None = None
+    ) -> Admission:
+        adm = Admission(
+            redis if redis is not None else self.client(),
+            self.registry,
+            self.config.tiers,
+            lease_ttl_s=30,
+            on_outage=on_outage,
+        )
+        await bounded(adm.start())
+        self._admissions.append(adm)
+        return adm
+
+    async def keeper(
+        self, adm: Admission, *, listen: bool = True, interval_s: float = 60
+    ) -> Keeper:
+        """A keeper; listening means its subscription is confirmed by Redis when this returns."""
+        client = self.client(socket_timeout=None)
+        subscribed = on_subscribed(client)
+        keeper = Keeper(adm, client, interval_s=interval_s)
+        if listen:
+            await keeper.start()
+            self._keepers.append(keeper)
+            await bounded(subscribed.wait())
+        return keeper
+
+    def plan(self, *names: str, fail_fast: bool = False) -> list[Candidate]:
+        """The fallback walk over `names` (one name: a plain request for that model)."""
+        return plan_candidates(
+            names[0],
+            list(names) if len(names) > 1 else None,
+            fail_fast=fail_fast,
+            registry=self.registry,
+            allowed=None,
+        )
+
+    async def close(self) -> None:
+        """Stop keepers, let each replica finish its clean-ups, close clients (idempotent)."""
+        while self._keepers:
+            await bounded(self._keepers.pop().close())
+        while self._admissions:
+            await bounded(self._admissions.pop().close())
+        while self._clients:
+            await self._clients.pop().aclose()
+
+    # Redis as it is, read directly.
+    async def leases(self, model: str) -> int:
+        return int(await self.redis.zcard("gw:{" + model + "}:leases"))
+
+    async def queued(self, model: str) -> int:
+        return int(await self.redis.zcard("gw:{" + model + "}:queue"))
+
+    async def load(self, model: str) -> int:
+        values = await self.redis.hvals("gw:{" + model + "}:ep_load")
+        return sum(int(v) for v in values)
+
+    async def account(self, account: str = "t-acme") -> int:
+        return int(await self.redis.zcard("gw:acct:{" + account + "}"))
+
+    async def assert_clean(self) -> None:
+        """No lease, no waiter, no per-endpoint load and no account entry left anywhere."""
+        for model in self.registry.names():
+            tag = "gw:{" + model + "}:"
+            assert await self.redis.zcard(tag + "leases") == 0, model
+            assert await self.redis.zcard(tag + "queue") == 0, model
+            assert await self.redis.zcard(tag + "qexp") == 0, model
+            assert await self.redis.hlen(tag + "ep_of") == 0, model
+            assert await self.load(model) == 0, model
+        async for key in self.redis.scan_iter(match="gw:acct:{t-*"):
+            assert await self.redis.zcard(key) == 0, key
+
+
+@pytest.fixture
+async def fleet(real_redis: aioredis.Redis) -> AsyncIterator[Fleet]:
+    config = parse_config(CONFIG, "t.yaml")
+    built = Fleet(config, Registry(config.models), real_redis)
+    try:
+        yield built
+    finally:
+        await built.close()
+
+
+async def admit(
+    adm: Admission,
+    candidates: Sequence[Candidate],
+    tier: Tier | Callable[[Model], Tier] = Tier.DEFAULT,
+    *,
+    account: str = "t-acme",
+    limit: int = 100,
+) -> Admitted:
+    tier_of = tier_is(tier) if isinstance(tier, Tier) else tier
+    return await bounded(adm.admit(candidates, tier_of, account, limit))
+
+
+async def fill(fleet: Fleet, adm: Admission, model: str, count: int) -> list[Lease]:
+    return [(await admit(adm, fleet.plan(model))).lease for _ in range(count)]
+
+
+async def release_all(adm: Admission, leases: Sequence[Lease]) -> None:
+    for lease in leases:
+        await bounded(adm.release(lease))
+
+
+def watch_queued(adm: Admission) -> asyncio.Queue[str]:
+    """The ids of this replica's requests, as Redis puts them in a queue (an event per id)."""
+    queued: asyncio.Queue[str] = asyncio.Queue()
+    inner = adm.scripts.execute
+
+    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+        replies = await inner(client, calls)
+        for (name, _, args), reply in zip(calls, replies, strict=True):
+            if name == "acquire" and int(reply[0]) == QUEUED:
+                queued.put_nowait(str(args[0]))
+        return replies
+
+    adm.scripts.execute = execute  # type: ignore[method-assign]
+    return queued
+
+
+async def expect_limited(awaitable: Awaitable[Any], code: str) -> RateLimited:
+    with pytest.raises(RateLimited) as caught:
+        await bounded(awaitable)
+    assert caught.value.code == code
+    assert caught.value.retry_after_s >= 1
+    assert int(caught.value.headers["retry-after"]) == caught.value.retry_after_s
+    return caught.value
+
+
+# --- single replica --------------------------------------------------------------------------
+
+
+async def test_admit_leases_a_free_slot(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    admitted = await admit(adm, fleet.plan("two"))
+    lease = admitted.lease
+    assert (lease.model, admitted.candidate.index, admitted.tier) == ("two", 0, Tier.DEFAULT)
+    assert lease.endpoint in TWO_ENDPOINTS
+    assert not lease.local
+    assert await fleet.redis.zscore("gw:{two}:leases", lease.id) is not None
+    assert text(await fleet.redis.hget("gw:{two}:ep_of", lease.id)) == lease.endpoint
+    assert await fleet.account() == 1
+    await bounded(adm.release(lease))
+    assert adm.held == {}
+    await fleet.assert_clean()
+
+
+async def test_fallback_serves_the_first_entry_with_room_without_waiting(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    admitted = await admit(adm, fleet.plan("two", "five"))
+    assert (admitted.lease.model, admitted.candidate.index) == ("five", 1)
+    assert queued.empty()
+    assert await fleet.queued("two") == 0
+    assert await fleet.account() == 3
+    await release_all(adm, [*held, admitted.lease])
+    await fleet.assert_clean()
+
+
+async def test_all_busy_answers_the_last_entrys_code(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    held = await fill(fleet, adm, "two", 2) + await fill(fleet, adm, "one", 1)
+    flex_on_one = {"two": Tier.DEFAULT, "one": Tier.FLEX}
+
+    def tier_of(model: Model) -> Tier:
+        return flex_on_one[model.name]
+
+    await expect_limited(
+        admit(adm, fleet.plan("two", "one", fail_fast=True), tier_of), "flex_no_capacity"
+    )
+    await expect_limited(
+        admit(adm, fleet.plan("one", "two", fail_fast=True), tier_of), "model_busy"
+    )
+    # `one` queues nobody (max_queue 0): as the last entry, that is its answer.
+    await expect_limited(admit(adm, fleet.plan("two", "one"), tier_of), "queue_full")
+    assert await fleet.queued("two") == 0
+    assert await fleet.account() == 3
+    await release_all(adm, held)
+    await fleet.assert_clean()
+
+
+async def test_flex_gets_spare_capacity_only(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    big = fleet.plan("five", fail_fast=True)
+    held = [(await admit(adm, big, Tier.FLEX)).lease for _ in range(4)]  # 5 x 0.8
+    await expect_limited(admit(adm, big, Tier.FLEX), "flex_no_capacity")
+    held.append((await admit(adm, big, Tier.DEFAULT)).lease)
+    await expect_limited(admit(adm, big, Tier.PRIORITY), "model_busy")
+    assert await fleet.leases("five") == 5
+    await release_all(adm, held)
+    await fleet.assert_clean()
+
+
+async def test_queue_full_answers_at_once(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    await fleet.keeper(adm)
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    waiters = [asyncio.create_task(admit(adm, fleet.plan("two"))) for _ in range(2)]
+    for _ in waiters:
+        await bounded(queued.get())
+    error = await expect_limited(admit(adm, fleet.plan("two"), Tier.PRIORITY), "queue_full")
+    assert "2 waiting" in error.message
+    await release_all(adm, held)
+    served = [(await bounded(w)).lease for w in waiters]
+    await release_all(adm, served)
+    await fleet.assert_clean()
+
+
+async def test_queue_timeout_after_the_tier_timeout(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    held = await fill(fleet, adm, "two", 2)
+    await expect_limited(admit(adm, fleet.plan("two")), "queue_timeout")
+    assert await fleet.queued("two") == 0
+    assert adm.waiters == {}
+    assert await fleet.account() == 2
+    await release_all(adm, held)
+    await fleet.assert_clean()
+
+
+async def test_account_limit_gives_the_model_slot_back(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    first = (await admit(adm, fleet.plan("two"), limit=1)).lease
+    # The model has room: the pipelined acquire took a slot, which must be given back.
+    await expect_limited(admit(adm, fleet.plan("two"), limit=1), "concurrency_limit")
+    assert await fleet.leases("two") == 1
+    assert await fleet.load("two") == 1
+    assert await fleet.account() == 1
+    # Another account is not limited by t-acme's count.
+    other = (await admit(adm, fleet.plan("two"), account="t-other", limit=1)).lease
+    # The model is full: the request queued in the same round trip and must leave the queue.
+    await expect_limited(admit(adm, fleet.plan("two"), limit=1), "concurrency_limit")
+    assert await fleet.queued("two") == 0
+    assert await fleet.leases("two") == 2
+    await release_all(adm, [first, other])
+    await fleet.assert_clean()
+
+
+async def test_retry_after_grows_with_the_queue_ahead(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    await fleet.keeper(adm)
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    adm.freed_rate["two"] = 0.5  # slots freed per second, fleet-wide
+    fail_fast = fleet.plan("two", fail_fast=True)
+    empty_queue = await expect_limited(admit(adm, fail_fast), "model_busy")
+    waiters = [asyncio.create_task(admit(adm, fleet.plan("two"))) for _ in range(2)]
+    for _ in waiters:
+        await bounded(queued.get())
+    two_ahead = await expect_limited(admit(adm, fail_fast), "model_busy")
+    full = await expect_limited(admit(adm, fleet.plan("two")), "queue_full")
+    assert 1 <= empty_queue.retry_after_s < two_ahead.retry_after_s
+    assert full.retry_after_s >= two_ahead.retry_after_s
+    # The waiters are default: a priority request has nobody ahead of it.
+    priority = await expect_limited(admit(adm, fail_fast, Tier.PRIORITY), "model_busy")
+    assert priority.retry_after_s == empty_queue.retry_after_s
+    adm.freed_rate["two"] = 5.0
+    faster = await expect_limited(admit(adm, fail_fast), "model_busy")
+    assert faster.retry_after_s < two_ahead.retry_after_s
+    await release_all(adm, held)
+    await release_all(adm, [(await bounded(w)).lease for w in waiters])
+    await fleet.assert_clean()
+
+
+# --- several replicas, wake-ups ---------------------------------------------------------------
+
+
+async def test_release_on_another_replica_wakes_the_waiter(fleet: Fleet) -> None:
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    await fleet.keeper(waiting)  # sweeps once now, then not for a minute: only pub/sub wakes
+    queued = watch_queued(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two")))
+    await bounded(queued.get())
+    await bounded(holder.release(held[0]))
+    admitted = await bounded(task)
+    assert admitted.lease.endpoint == held[0].endpoint
+    assert await fleet.leases("two") == 2
+    await bounded(waiting.release(admitted.lease))
+    await bounded(holder.release(held[1]))
+    await fleet.assert_clean()
+
+
+async def test_tier_order_holds_across_replicas(fleet: Fleet) -> None:
+    one, two = await fleet.admission(), await fleet.admission()
+    await fleet.keeper(one)
+    await fleet.keeper(two)
+    queued_one, queued_two = watch_queued(one), watch_queued(two)
+    held = await fill(fleet, one, "two", 2)
+    default = asyncio.create_task(admit(one, fleet.plan("two"), Tier.DEFAULT))
+    await bounded(queued_one.get())
+    priority = asyncio.create_task(admit(two, fleet.plan("two"), Tier.PRIORITY))
+    await bounded(queued_two.get())
+
+    await bounded(one.release(held[0]))
+    first = await bounded(priority)
+    assert first.tier is Tier.PRIORITY
+    assert not default.done()
+    assert await fleet.queued("two") == 1
+    await bounded(two.release(first.lease))
+    second = await bounded(default)
+    await release_all(one, [held[1], second.lease])
+    await fleet.assert_clean()
+
+
+async def test_lost_wake_up_is_found_by_the_sweep(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    keeper = await fleet.keeper(adm, listen=False)
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    task = asyncio.create_task(admit(adm, fleet.plan("two")))
+    waiter_id = await bounded(queued.get())
+    await bounded(adm.release(held[0]))  # granted in Redis; nobody hears the message
+    assert await fleet.redis.zscore("gw:{two}:leases", waiter_id) is not None
+    assert not task.done()
+    await bounded(keeper.sweep_once())
+    admitted = await bounded(task)
+    assert admitted.lease.id == waiter_id
+    assert admitted.lease.endpoint == held[0].endpoint
+    await release_all(adm, [held[1], admitted.lease])
+    await fleet.assert_clean()
+
+
+async def test_keeper_sweep_keeps_held_leases_alive_and_reports_state(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    keeper = await fleet.keeper(adm, listen=False)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    seconds, micros = await fleet.redis.time()
+    soon = seconds * 1000 + micros // 1000 + 2000  # about to expire, not yet expired
+    await fleet.redis.zadd("gw:{two}:leases", {lease.id: soon}, xx=True)
+    await fleet.redis.zadd("gw:acct:{t-acme}", {lease.id: soon}, xx=True)
+    await bounded(keeper.sweep_once())
+    assert (await fleet.redis.zscore("gw:{two}:leases", lease.id) or 0) > soon
+    assert (await fleet.redis.zscore("gw:acct:{t-acme}", lease.id) or 0) > soon
+    assert keeper.states["two"].inflight == 1
+    assert keeper.states["two"].queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 0}
+    assert await fleet.redis.zscore("gw:replicas", adm.replica_id) is not None
+    assert adm.replicas >= 1
+    await bounded(adm.release(lease))
+    await bounded(keeper.sweep_once())
+    assert keeper.states["two"].inflight == 0
+    await fleet.assert_clean()
+
+
+# --- cancellation -----------------------------------------------------------------------------
+
+
+async def test_cancelled_waiter_leaves_the_queue(fleet: Fleet) -> None:
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    queued = watch_queued(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    await bounded(queued.get())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await bounded(waiting.close())  # finishes its clean-ups
+    assert await fleet.queued("two") == 0
+    assert await fleet.account("t-w") == 0
+    assert waiting.waiters == {}
+    await release_all(holder, held)
+    await fleet.assert_clean()
+
+
+async def test_cancelled_waiter_gives_back_a_grant_it_never_heard_of(fleet: Fleet) -> None:
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    queued = watch_queued(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    waiter_id = await bounded(queued.get())
+    await bounded(holder.release(held[0]))  # granted; no listener hears it
+    assert await fleet.redis.zscore("gw:{two}:leases", waiter_id) is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await bounded(waiting.close())
+    assert await fleet.leases("two") == 1
+    assert await fleet.load("two") == 1
+    assert await fleet.account("t-w") == 0
+    await bounded(holder.release(held[1]))
+    await fleet.assert_clean()
+
+
+async def test_waiter_cancelled_just_after_its_wake_up(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    keeper = await fleet.keeper(adm, listen=False)
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    task = asyncio.create_task(admit(adm, fleet.plan("two"), account="t-w"))
+    waiter_id = await bounded(queued.get())
+    await bounded(adm.release(held[0]))
+    keeper.wake(waiter_id, held[0].endpoint)
+    task.cancel()  # before the waiter runs again: the grant is delivered but never seen
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await bounded(adm.release(held[1]))
+    await bounded(adm.close())
+    await fleet.assert_clean()
+
+
+async def test_cancel_during_the_timeout_check_gives_the_late_grant_back(fleet: Fleet) -> None:
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    queued = watch_queued(waiting)
+    inner = waiting.scripts.execute
+    checking = asyncio.Event()
+    caller_gone = asyncio.Event()
+
+    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+        replies = await inner(client, calls)
+        if calls[0][0] == "cancel":
+            # The script ran in Redis; its reply arrives only after the caller went away.
+            checking.set()
+            await caller_gone.wait()
+        return replies
+
+    waiting.scripts.execute = execute  # type: ignore[method-assign]
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    await bounded(queued.get())
+    await bounded(holder.release(held[0]))  # granted; no listener: found at the timeout check
+    await bounded(checking.wait())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    caller_gone.set()
+    await bounded(waiting.close())
+    await bounded(holder.release(held[1]))
+    assert await fleet.leases("two") == 0
+
+
+async def test_cancel_while_giving_back_the_slot_of_a_concurrency_limit(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    first = (await admit(adm, fleet.plan("two"), limit=1)).lease
+    inner = adm.scripts.execute
+    giving_back = asyncio.Event()
+    caller_gone = asyncio.Event()
+
+    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+        if calls[0][0] == "release" and not giving_back.is_set():
+            # Not sent yet (e.g. waiting for a pooled connection) when the caller goes away.
+            giving_back.set()
+            await caller_gone.wait()
+        return await inner(client, calls)
+
+    adm.scripts.execute = execute  # type: ignore[method-assign]
+    task = asyncio.create_task(admit(adm, fleet.plan("two"), limit=1))
+    await bounded(giving_back.wait())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    caller_gone.set()
+    await bounded(adm.release(first))
+    await bounded(adm.close())
+    assert await fleet.leases("two") == 0
+
+
+async def test_release_finishes_when_its_caller_is_cancelled(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    await fleet.keeper(adm)
+    queued = watch_queued(adm)
+    held = await fill(fleet, adm, "two", 2)
+    waiter = asyncio.create_task(admit(adm, fleet.plan("two")))
+    await bounded(queued.get())
+    started = asyncio.Event()
+
+    async def release() -> None:
+        started.set()
+        await adm.release(held[0])
+
+    releasing = asyncio.create_task(release())
+    await bounded(started.wait())
+    releasing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await releasing
+    # The release ran to its end anyway: its slot went to the waiter.
+    admitted = await bounded(waiter)
+    assert admitted.lease.endpoint == held[0].endpoint
+    await release_all(adm, [held[1], admitted.lease])
+    await bounded(adm.close())
+    await fleet.assert_clean()
+
+
+async def test_cancel_during_the_admission_round_trip_undoes_what_it_took(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    await cancel_in_round_trip(fleet, adm)
+    await bounded(adm.close())  # the undo runs once the reply arrives
+    assert adm.held == {}
+    await fleet.assert_clean()
+
+
+async def cancel_in_round_trip(fleet: Fleet, adm: Admission) -> None:
+    inner = adm.scripts.execute
+    in_flight = asyncio.Event()
+
+    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+        if calls[-1][0] == "acquire":
+            in_flight.set()
+        return await inner(client, calls)
+
+    adm.scripts.execute = execute  # type: ignore[method-assign]
+    task = asyncio.create_task(admit(adm, fleet.plan("two")))
+    await bounded(in_flight.wait())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def account_limit_with_room(fleet: Fleet, adm: Admission) -> None:
+    lease = (await admit(adm, fleet.plan("two"), limit=1)).lease
+    await expect_limited(admit(adm, fleet.plan("two"), limit=1), "concurrency_limit")
+    await bounded(adm.release(lease))
+
+
+@pytest.mark.parametrize("scenario", [account_limit_with_room, cancel_in_round_trip])
+async def test_no_waiter_entry_is_left_behind(
+    fleet: Fleet, scenario: Callable[[Fleet, Admission], Awaitable[None]]
+) -> None:
+    adm = await fleet.admission()
+    await scenario(fleet, adm)
+    await bounded(adm.close())
+    await fleet.assert_clean()  # Redis is right; the replica's memory is not
+    assert adm.waiters == {}
+
+
+# --- Redis unreachable ------------------------------------------------------------------------
+
+
+def dead_redis(fleet: Fleet) -> aioredis.Redis:
+    return fleet.client("redis://127.0.0.1:1/0", socket_connect_timeout=0.2, socket_timeout=0.2)
+
+
+async def test_outage_rejects_under_reject(fleet: Fleet) -> None:
+    adm = await fleet.admission(redis=dead_redis(fleet))
+    with pytest.raises(ServiceUnavailable):
+        await admit(adm, fleet.plan("two"))
+    with pytest.raises(ServiceUnavailable):
+        await admit(adm, fleet.plan("two", "five", fail_fast=True))
+    assert adm.waiters == {}
+    assert adm.held == {}
+
+
+async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
+    adm = await fleet.admission(on_outage="local", redis=dead_redis(fleet))
+    held = [(await admit(adm, fleet.plan("two"))).lease for _ in range(2)]
+    assert all(lease.local and lease.model == "two" for lease in held)
+    await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
+    await expect_limited(admit(adm, fleet.plan("two"), Tier.FLEX), "flex_no_capacity")
+    # The fallback walk still applies to local shares.
+    other = await admit(adm, fleet.plan("two", "five"))
+    assert (other.lease.model, other.candidate.index, other.lease.local) == ("five", 1, True)
+    await bounded(adm.release(held[0]))
+    again = (await admit(adm, fleet.plan("two"))).lease
+    assert again.local
+    await release_all(adm, [held[1], again, other.lease])
+    assert adm.held == {}
+    # Two replicas alive: each admits half the model.
+    adm.replicas = 2
+    one = (await admit(adm, fleet.plan("two"))).lease
+    await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
+    await bounded(adm.release(one))
+
+
+# --- many requests at once --------------------------------------------------------------------
+
+PLANS: list[tuple[str, ...]] = [
+    ("two",),
+    ("five",),
+    ("two", "five"),
+    ("one", "two"),
+    ("five", "one", "two"),
+    ("one",),
+]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_randomized_concurrent_requests_never_exceed_capacity(
+    fleet: Fleet, seed: int
+) -> None:
+    rng = random.Random(seed)
+    replicas = [await fleet.admission(), await fleet.admission()]
+    for adm in replicas:
+        await fleet.keeper(adm, interval_s=0.1)
+    capacity = {m.name: m.capacity for m in fleet.registry}
+    sizes = {e.base_url: e.max_concurrency for m in fleet.registry for e in m.config.endpoints}
+    limits = {"t-acct0": 2, "t-acct1": 6, "t-acct2": 6}  # t-acct0 runs into its own limit
+    codes: Counter[str] = Counter()
+    inflight: Counter[str] = Counter()
+    most: Counter[str] = Counter()
+
+    def track(key: str, delta: int, ceiling: int) -> None:
+        inflight[key] += delta
+        most[key] = max(most[key], inflight[key])
+        assert inflight[key] <= ceiling, key
+
+    async def request(i: int) -> str:
+        adm = replicas[i % 2]
+        names = rng.choice(PLANS)
+        candidates = fleet.plan(*names, fail_fast=rng.random() < 0.3)
+        tier = rng.choice(list(Tier))
+        account = f"t-acct{rng.randrange(3)}"
+        hold = rng.uniform(0, 0.02)
+        await asyncio.sleep(rng.uniform(0, 0.5))  # arrivals spread out
+        try:
+            admitted = await adm.admit(candidates, tier_is(tier), account, limits[account])
+        except RateLimited as exc:
+            assert exc.code in {
+                "model_busy",
+                "flex_no_capacity",
+                "queue_full",
+                "queue_timeout",
+                "concurrency_limit",
+            }
+            codes[exc.code] += 1
+            return "limited"
+        lease = admitted.lease
+        keys = [(lease.model, capacity[lease.model]), (lease.endpoint, sizes[lease.endpoint])]
+        keys.append((account, limits[account]))
+        for key, ceiling in keys:
+            track(key, 1, ceiling)
+        try:
+            await asyncio.sleep(hold)  # simulated work
+        finally:
+            for key, ceiling in keys:
+                track(key, -1, ceiling)
+            await adm.release(lease)
+        return "admitted"
+
+    tasks = [asyncio.create_task(request(i)) for i in range(200)]
+    loop = asyncio.get_running_loop()
+    for task in tasks:
+        if rng.random() < 0.25:
+            loop.call_later(rng.uniform(0, 0.6), task.cancel)
+    results = await bounded(asyncio.gather(*tasks, return_exceptions=True), 20)
+
+    outcomes = Counter("cancelled" if isinstance(r, asyncio.CancelledError) else r for r in results)
+    assert set(outcomes) <= {"admitted", "limited", "cancelled"}, results
+    assert sum(outcomes.values()) == 200
+    assert outcomes["admitted"] > 0
+    assert codes["concurrency_limit"] > 0
+    assert most["two"] == capacity["two"]  # the test did reach the ceiling
+    assert all(v == 0 for v in inflight.values())
+    for adm in replicas:
+        assert adm.held == {}
+        assert adm.waiters == {}
+    await fleet.close()  # keepers stopped, clean-ups finished
+    await fleet.assert_clean()
