@@ -105,7 +105,7 @@ class Proxy:
             exchange.status = 499
             raise
         finally:
-            await self._state.admission.release(admitted.lease)
+            self._state.admission.release(admitted.lease)  # on its way; nothing to wait for
             self._observe(admitted, exchange)
 
     async def _admit(self, parsed: Parsed) -> Admitted:

@@ -11,7 +11,7 @@ from routing.admission import Admission
 from routing.endpoints import Pools
 from routing.keeper import Keeper
 from routing.registry import Registry
-from routing.store import connect, subscriber
+from routing.store import connect, script_store, subscriber
 from routing.upstream import Upstream
 
 
@@ -39,6 +39,7 @@ class GatewayState:
             config.tiers,
             lease_ttl_s=config.redis.lease_ttl_s,
             on_outage=config.redis.on_outage,
+            store=script_store(config.redis.url, self.redis),
         )
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
@@ -56,6 +57,8 @@ class GatewayState:
     async def close(self) -> None:
         await self.keeper.close()
         await self.admission.close()
+        if self.admission.store is not self.redis:
+            await self.admission.store.aclose()
         await self.upstream.close()
         if self.keeper.pubsub_redis is not self.redis:
             await self.keeper.pubsub_redis.aclose()

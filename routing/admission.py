@@ -34,6 +34,7 @@ from routing.slots import (
     Attempt,
     ModelSlots,
     Scripts,
+    Store,
     account_key,
     attempt,
     text,
@@ -76,10 +77,13 @@ class Admission:
         *,
         lease_ttl_s: float,
         on_outage: str,
+        store: Store | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = redis
+        # Where the scripts run: the lean pipelining client when the URL allows it.
+        self.store: Store = store if store is not None else redis
         self.scripts = Scripts()
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.ttl_ms = int(lease_ttl_s * 1000)
@@ -94,11 +98,15 @@ class Admission:
         self.freed_rate: dict[str, float] = {}
         self.replicas = 1
         self.local = LocalShares(registry, tiers)
+        # Work still on its way that close() must wait for: clean-up tasks, releases, and
+        # calls whose caller was cancelled (their undo starts when they answer).
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._releases: set[asyncio.Future[None]] = set()
+        self._cleanups: set[asyncio.Future[Any]] = set()
 
     async def start(self) -> None:
         try:
-            await self.scripts.load(self.redis)
+            await self.scripts.load(self.store)
         except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
             log.warning("admission store unreachable at start: %s", type(exc).__name__)
 
@@ -122,7 +130,7 @@ class Admission:
                 if pos == 0:
                     account_call = ("account", [akey], [lease_id, account_limit, self.ttl_ms])
                     replies = await self._outliving(
-                        self.scripts.execute(self.redis, [account_call, call]),
+                        self.scripts.submit(self.store, [account_call, call]),
                         partial(self._undo_replies, cand.model.name, lease_id, akey),
                     )
                     held_account = int(replies[0]) == 1
@@ -140,7 +148,7 @@ class Admission:
                     result = attempt(
                         (
                             await self._outliving(
-                                self.scripts.execute(self.redis, [call]),
+                                self.scripts.submit(self.store, [call]),
                                 partial(self._undo_replies, cand.model.name, lease_id, None),
                             )
                         )[0]
@@ -199,10 +207,12 @@ class Admission:
         # Timed out; the slot may have been granted just now (its message still on the way).
         model = cand.model.name
         granted = text(
-            await self._outliving(
-                self.scripts.run(self.redis, self.slots[model].cancel(lease_id)),
-                partial(self._release_late_grant, model, lease_id),
-            )
+            (
+                await self._outliving(
+                    self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)]),
+                    partial(self._release_late_grant, model, lease_id),
+                )
+            )[0]
         )
         if granted:
             return granted
@@ -232,41 +242,44 @@ class Admission:
             return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
 
-    async def release(self, lease: Lease) -> None:
-        """Give the slot back; runs to the end even if the caller is being cancelled."""
-        await asyncio.shield(self._spawn(self._release(lease)))
-
-    async def _release(self, lease: Lease) -> None:
+    def release(self, lease: Lease) -> asyncio.Future[None]:
+        """Give the slot back. The calls leave at once, whatever happens to the caller
+        afterwards; awaiting the result (never an error) is optional."""
         self.held.pop(lease.id, None)
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if lease.local:
             self.local.release(lease.model)
-            return
+            released.set_result(None)
+            return released
         calls = [self.slots[lease.model].release(lease.id), ("ZREM", [lease.account], [lease.id])]
         try:
-            await self.scripts.execute(self.redis, calls)
+            sent = self.scripts.submit(self.store, calls)
         except STORE_ERRORS as exc:
-            log.warning("release of a lease failed (%s); it expires by its TTL", type(exc).__name__)
+            sent = asyncio.get_running_loop().create_future()
+            sent.set_exception(exc)
+        sent.add_done_callback(partial(_released, released))
+        self._releases.add(released)
+        released.add_done_callback(self._releases.discard)
+        return released
 
     async def _outliving(
-        self, work: Coroutine[Any, Any, T], undo: Callable[[T], Coroutine[Any, Any, None]]
+        self, work: asyncio.Future[T], undo: Callable[[T], Coroutine[Any, Any, None]]
     ) -> T:
-        """Await `work` in a task of its own: if the caller is cancelled meanwhile, the task
-        still finishes and `undo` gives back whatever it took (no slot is ever orphaned)."""
-        task = asyncio.get_running_loop().create_task(work)
+        """Await calls already on their way: if the caller is cancelled meanwhile, they still
+        finish and `undo` gives back whatever they took (no slot is ever orphaned)."""
         try:
-            return await asyncio.shield(task)
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
-            self._spawn(self._undo_when_done(task, undo))
+            work.add_done_callback(partial(self._undo_when_done, undo))
+            self._cleanups.add(work)
+            work.add_done_callback(self._cleanups.discard)
             raise
 
-    async def _undo_when_done(
-        self, task: asyncio.Task[T], undo: Callable[[T], Coroutine[Any, Any, None]]
+    def _undo_when_done(
+        self, undo: Callable[[T], Coroutine[Any, Any, None]], done: asyncio.Future[T]
     ) -> None:
-        try:
-            result = await task
-        except STORE_ERRORS:
-            return
-        await undo(result)
+        if not done.cancelled() and done.exception() is None:
+            self._spawn(undo(done.result()))
 
     async def _undo_replies(
         self, model: str, lease_id: str, akey: str | None, replies: list[Any]
@@ -276,13 +289,13 @@ class Admission:
         if akey is not None and int(replies[0]) == 1:
             await self._forget_account(akey, lease_id)
 
-    async def _release_late_grant(self, model: str, lease_id: str, reply: Any) -> None:
-        if text(reply):
-            await self.scripts.run(self.redis, self.slots[model].release(lease_id))
+    async def _release_late_grant(self, model: str, lease_id: str, replies: list[Any]) -> None:
+        if text(replies[0]):
+            await self.scripts.run(self.store, self.slots[model].release(lease_id))
 
     async def _undo(self, model: str, lease_id: str, result: Attempt) -> None:
         if result.status == GRANTED:
-            await self.scripts.run(self.redis, self.slots[model].release(lease_id))
+            await self.scripts.run(self.store, self.slots[model].release(lease_id))
         elif result.status == QUEUED:
             self.waiters.pop(lease_id, None)
             await self._abandon(model, lease_id)
@@ -291,14 +304,14 @@ class Admission:
         """A waiter leaves (caller gone): out of the queue, or its late grant given back."""
         try:
             slots = self.slots[model]
-            if text(await self.scripts.run(self.redis, slots.cancel(lease_id))):
-                await self.scripts.run(self.redis, slots.release(lease_id))
+            if text(await self.scripts.run(self.store, slots.cancel(lease_id))):
+                await self.scripts.run(self.store, slots.release(lease_id))
         except STORE_ERRORS as exc:
             log.warning("abandoning a waiter failed (%s); it expires", type(exc).__name__)
 
     async def _forget_account(self, akey: str, lease_id: str) -> None:
         try:
-            await self.redis.zrem(akey, lease_id)
+            await self.scripts.run(self.store, ("ZREM", [akey], [lease_id]))
         except STORE_ERRORS as exc:
             log.warning("account release failed (%s); it expires", type(exc).__name__)
 
@@ -339,9 +352,24 @@ class Admission:
     async def close(self) -> None:
         """Give back every slot this replica still holds (best effort) and finish cleanups."""
         for lease in list(self.held.values()):
-            await self._release(lease)
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
+            self.release(lease)
+        await self.drain()
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait for releases and clean-ups already on their way (and those they start)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while pending := [*self._tasks, *self._releases, *self._cleanups]:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            await asyncio.wait(pending, timeout=left)
+
+
+def _released(released: asyncio.Future[None], sent: asyncio.Future[list[Any]]) -> None:
+    if not sent.cancelled() and (exc := sent.exception()) is not None:
+        log.warning("release of a lease failed (%s); it expires by its TTL", type(exc).__name__)
+    if not released.done():
+        released.set_result(None)
 
 
 class LocalShares:

@@ -6,6 +6,7 @@ times come from Redis `TIME` inside the scripts, never from a replica's clock.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
+from routing.resp import RespClient
 from tiers.policy import Tier
 
 GRANTED, QUEUED, BUSY, FULL = 1, 2, 0, -1
@@ -44,28 +46,87 @@ class Scripts:
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
 
-    async def load(self, client: aioredis.Redis) -> None:
-        for name, text in self._text.items():
-            sha = await client.script_load(text)
+    async def load(self, client: Store) -> None:
+        if isinstance(client, RespClient):
+            replies = await client.send([("SCRIPT", "LOAD", t) for t in self._text.values()])
+            shas = [r.decode() if isinstance(r, bytes) else r for r in replies]
+        else:
+            shas = [await client.script_load(t) for t in self._text.values()]
+        for name, sha in zip(self._text, shas, strict=True):
+            if isinstance(sha, Exception):
+                raise sha
             if sha != self.sha[name]:
                 raise RuntimeError(f"script {name}: Redis computed another sha1")
 
-    async def run(self, client: aioredis.Redis, call: Call) -> Any:
-        return (await self.execute(client, [call]))[0]
+    async def run(self, client: Store, call: Call) -> Any:
+        return (await self.submit(client, [call]))[0]
 
-    async def execute(self, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
-        """Several calls in one round trip (a pipeline without MULTI).
+    async def execute(self, client: Store, calls: Sequence[Call]) -> list[Any]:
+        return await self.submit(client, calls)
 
-        A call names one of the scripts, or else a plain Redis command (e.g. ZREM).
+    def submit(self, client: Store, calls: Sequence[Call]) -> asyncio.Future[list[Any]]:
+        """Send several calls in one round trip, now; the future gets their replies.
+
+        A call names one of the scripts, or else a plain Redis command (e.g. ZREM). The
+        calls are on their way even if whoever awaits the future is cancelled.
         """
+        if not isinstance(client, RespClient):
+            return asyncio.ensure_future(self._pipeline(client, calls))
+        outer: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        sent = client.send(self._commands(calls))
+        sent.add_done_callback(lambda done: self._settle(client, calls, done, outer))
+        return outer
+
+    def _commands(self, calls: Sequence[Call]) -> list[list[Any]]:
+        commands = []
+        for name, keys, args in calls:
+            sha = self.sha.get(name)
+            if sha is None:
+                commands.append([name, *keys, *args])
+            else:
+                commands.append(["EVALSHA", sha, len(keys), *keys, *args])
+        return commands
+
+    def _settle(
+        self,
+        client: RespClient,
+        calls: Sequence[Call],
+        done: asyncio.Future[list[Any]],
+        outer: asyncio.Future[list[Any]],
+    ) -> None:
+        if outer.done():
+            return
+        if done.cancelled():
+            outer.cancel()
+            return
+        if (exc := done.exception()) is not None:
+            outer.set_exception(exc)
+            return
+        replies = done.result()
+        if any(isinstance(r, NoScriptError) for r in replies):
+            # Redis lost its scripts (restart, SCRIPT FLUSH): load them, then try once more.
+            retry = asyncio.ensure_future(self._reload_and_send(client, calls))
+            retry.add_done_callback(lambda again: _chain(again, outer))
+            return
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            outer.set_exception(error)
+        else:
+            outer.set_result(replies)
+
+    async def _reload_and_send(self, client: RespClient, calls: Sequence[Call]) -> list[Any]:
+        await self.load(client)
+        replies = await client.send(self._commands(calls))
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
+        return replies
+
+    async def _pipeline(self, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
         for retry in (False, True):
             pipe = client.pipeline(transaction=False)
-            for name, keys, args in calls:
-                sha = self.sha.get(name)
-                if sha is None:
-                    pipe.execute_command(name, *keys, *args)
-                else:
-                    pipe.evalsha(sha, len(keys), *keys, *args)
+            for command in self._commands(calls):
+                pipe.execute_command(*command)
             try:
                 return list(await pipe.execute())
             except NoScriptError:
@@ -73,6 +134,21 @@ class Scripts:
                     raise
                 await self.load(client)
         raise AssertionError("unreachable")
+
+
+# Where the scripts run: the lean pipelining client, or redis-py (memory://, TLS).
+Store = RespClient | aioredis.Redis
+
+
+def _chain(source: asyncio.Future[list[Any]], target: asyncio.Future[list[Any]]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 @dataclass(frozen=True, slots=True)

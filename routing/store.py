@@ -6,6 +6,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.resp import RespClient
+
 
 def connect(url: str) -> aioredis.Redis:
     """A client for `url`; `memory://` gives fakeredis in this process (one replica only)."""
@@ -21,6 +23,12 @@ def connect(url: str) -> aioredis.Redis:
         health_check_interval=15,
         max_connections=512,
     )
+
+
+def script_store(url: str, client: aioredis.Redis) -> RespClient | aioredis.Redis:
+    """Where admission scripts run: the lean pipelining client for redis:// and unix://,
+    else (memory://, rediss://) the redis-py `client`."""
+    return RespClient(url) if RespClient.supports(url) else client
 
 
 def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:

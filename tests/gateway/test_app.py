@@ -85,6 +85,7 @@ class ScriptedUpstream:
 
 
 def make_app() -> tuple[Any, ScriptedUpstream]:
+    """The app over a memory:// store, and the upstream it talks to."""
     upstream = ScriptedUpstream()
     state = GatewayState(
         parse_config(CONFIG, "unit.yaml"),
@@ -107,7 +108,17 @@ def post(loop: asyncio.AbstractEventLoop, app: Any, path: str, body: bytes) -> h
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             return await client.post(path, content=body, headers={"authorization": f"Bearer {KEY}"})
 
-    return loop.run_until_complete(go())
+    response = loop.run_until_complete(go())
+    # The app finishes (and sends its release) after the answer is complete.
+    loop.run_until_complete(_settled(app))
+    return response
+
+
+async def _settled(app: Any) -> None:
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=5)
+    await app.state.admission.drain()
 
 
 def test_non_stream_is_rewritten(loop: asyncio.AbstractEventLoop) -> None:

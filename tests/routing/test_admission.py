@@ -19,6 +19,7 @@ from routing.admission import Admission, Admitted, Lease
 from routing.keeper import Keeper
 from routing.plan import Candidate, plan_candidates
 from routing.registry import Model, Registry
+from routing.resp import RespClient
 from routing.slots import QUEUED, text
 from tests.conftest import REDIS_URL
 from tiers.policy import Tier
@@ -88,6 +89,8 @@ class Fleet:
     config: GatewayConfig
     registry: Registry
     redis: aioredis.Redis
+    # "resp": scripts over the gateway's own pipelining client; "redis-py": over redis-py.
+    store: str = "resp"
     _admissions: list[Admission] = field(default_factory=list)
     _keepers: list[Keeper] = field(default_factory=list)
     _clients: list[aioredis.Redis] = field(default_factory=list)
@@ -100,12 +103,15 @@ class Fleet:
     async def admission(
         self, *, on_outage: str = "reject", redis: aioredis.Redis | None = None
     ) -> Admission:
+        client = redis if redis is not None else self.client()
+        url = DEAD_URL if redis is not None else REDIS_URL
         adm = Admission(
-            redis if redis is not None else self.client(),
+            client,
             self.registry,
             self.config.tiers,
             lease_ttl_s=30,
             on_outage=on_outage,
+            store=RespClient(url, connect_timeout_s=0.5) if self.store == "resp" else None,
         )
         await bounded(adm.start())
         self._admissions.append(adm)
@@ -139,7 +145,10 @@ class Fleet:
         while self._keepers:
             await bounded(self._keepers.pop().close())
         while self._admissions:
-            await bounded(self._admissions.pop().close())
+            adm = self._admissions.pop()
+            await bounded(adm.close())
+            if isinstance(adm.store, RespClient):
+                await adm.store.aclose()
         while self._clients:
             await self._clients.pop().aclose()
 
@@ -170,10 +179,10 @@ class Fleet:
             assert await self.redis.zcard(key) == 0, key
 
 
-@pytest.fixture
-async def fleet(real_redis: aioredis.Redis) -> AsyncIterator[Fleet]:
+@pytest.fixture(params=["resp", "redis-py"])
+async def fleet(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     config = parse_config(CONFIG, "t.yaml")
-    built = Fleet(config, Registry(config.models), real_redis)
+    built = Fleet(config, Registry(config.models), real_redis, store=request.param)
     try:
         yield built
     finally:
@@ -201,19 +210,32 @@ async def release_all(adm: Admission, leases: Sequence[Lease]) -> None:
         await bounded(adm.release(lease))
 
 
+Around = Callable[[Sequence[Any], Callable[[], Awaitable[list[Any]]]], Awaitable[list[Any]]]
+
+
+def intercept(adm: Admission, around: Around) -> None:
+    """Route this replica's Redis calls through `around(calls, send)`; `send()` sends them.
+    Like the real calls, they run on even if whoever awaits them is cancelled."""
+    inner = adm.scripts.submit
+
+    def submit(client: Any, calls: Sequence[Any]) -> asyncio.Future[list[Any]]:
+        return asyncio.ensure_future(around(calls, lambda: inner(client, calls)))
+
+    adm.scripts.submit = submit  # type: ignore[method-assign]
+
+
 def watch_queued(adm: Admission) -> asyncio.Queue[str]:
     """The ids of this replica's requests, as Redis puts them in a queue (an event per id)."""
     queued: asyncio.Queue[str] = asyncio.Queue()
-    inner = adm.scripts.execute
 
-    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
-        replies = await inner(client, calls)
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        replies = await send()
         for (name, _, args), reply in zip(calls, replies, strict=True):
             if name == "acquire" and int(reply[0]) == QUEUED:
                 queued.put_nowait(str(args[0]))
         return replies
 
-    adm.scripts.execute = execute  # type: ignore[method-assign]
+    intercept(adm, around)
     return queued
 
 
@@ -501,19 +523,18 @@ async def test_waiter_cancelled_just_after_its_wake_up(fleet: Fleet) -> None:
 async def test_cancel_during_the_timeout_check_gives_the_late_grant_back(fleet: Fleet) -> None:
     holder, waiting = await fleet.admission(), await fleet.admission()
     queued = watch_queued(waiting)
-    inner = waiting.scripts.execute
     checking = asyncio.Event()
     caller_gone = asyncio.Event()
 
-    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
-        replies = await inner(client, calls)
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        replies = await send()
         if calls[0][0] == "cancel":
             # The script ran in Redis; its reply arrives only after the caller went away.
             checking.set()
             await caller_gone.wait()
         return replies
 
-    waiting.scripts.execute = execute  # type: ignore[method-assign]
+    intercept(waiting, around)
     held = await fill(fleet, holder, "two", 2)
     task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
     await bounded(queued.get())
@@ -531,18 +552,17 @@ async def test_cancel_during_the_timeout_check_gives_the_late_grant_back(fleet: 
 async def test_cancel_while_giving_back_the_slot_of_a_concurrency_limit(fleet: Fleet) -> None:
     adm = await fleet.admission()
     first = (await admit(adm, fleet.plan("two"), limit=1)).lease
-    inner = adm.scripts.execute
     giving_back = asyncio.Event()
     caller_gone = asyncio.Event()
 
-    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         if calls[0][0] == "release" and not giving_back.is_set():
             # Not sent yet (e.g. waiting for a pooled connection) when the caller goes away.
             giving_back.set()
             await caller_gone.wait()
-        return await inner(client, calls)
+        return await send()
 
-    adm.scripts.execute = execute  # type: ignore[method-assign]
+    intercept(adm, around)
     task = asyncio.create_task(admit(adm, fleet.plan("two"), limit=1))
     await bounded(giving_back.wait())
     task.cancel()
@@ -589,15 +609,14 @@ async def test_cancel_during_the_admission_round_trip_undoes_what_it_took(fleet:
 
 
 async def cancel_in_round_trip(fleet: Fleet, adm: Admission) -> None:
-    inner = adm.scripts.execute
     in_flight = asyncio.Event()
 
-    async def execute(client: aioredis.Redis, calls: Sequence[Any]) -> list[Any]:
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         if calls[-1][0] == "acquire":
             in_flight.set()
-        return await inner(client, calls)
+        return await send()
 
-    adm.scripts.execute = execute  # type: ignore[method-assign]
+    intercept(adm, around)
     task = asyncio.create_task(admit(adm, fleet.plan("two")))
     await bounded(in_flight.wait())
     task.cancel()
@@ -625,8 +644,11 @@ async def test_no_waiter_entry_is_left_behind(
 # --- Redis unreachable ------------------------------------------------------------------------
 
 
+DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+
+
 def dead_redis(fleet: Fleet) -> aioredis.Redis:
-    return fleet.client("redis://127.0.0.1:1/0", socket_connect_timeout=0.2, socket_timeout=0.2)
+    return fleet.client(DEAD_URL, socket_connect_timeout=0.2, socket_timeout=0.2)
 
 
 async def test_outage_rejects_under_reject(fleet: Fleet) -> None:
