@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv redis clean
+.PHONY: demo test lint venv redis bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,12 @@ lint: $(STAMP)
 
 test: $(STAMP) redis lint
 	$(BIN)/python -m pytest -q
+
+# The overhead benchmark (not part of `make test`): needs wrk and nginx from Debian's packages.
+bench: $(STAMP) redis
+	@command -v wrk >/dev/null && command -v nginx >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null)
+	$(BIN)/python bench/overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
