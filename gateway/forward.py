@@ -59,7 +59,7 @@ async def forward(
                 error = worker_error(resp.status, await resp.read())
                 await _fail(state, exchange, admitted, endpoint, send, error)
             elif exchange.stream:
-                await _relay_stream(exchange, admitted, resp, send)
+                await _relay_stream(state, exchange, admitted, endpoint, resp, send)
             else:
                 await _relay_answer(state, exchange, admitted, endpoint, resp, send)
         finally:
@@ -102,28 +102,45 @@ async def _relay_answer(
 
 
 async def _relay_stream(
-    exchange: Exchange, admitted: Admitted, resp: UpstreamResponse, send: Send
+    state: GatewayState,
+    exchange: Exchange,
+    admitted: Admitted,
+    endpoint: Endpoint,
+    resp: UpstreamResponse,
+    send: Send,
 ) -> None:
     model, tier = admitted.candidate.model.name, admitted.tier.value
     rewriter = StreamRewriter(model, tier, exchange.include_usage, exchange.usage)
+    chunks = aiter(resp.chunks())
+    # The 200 goes out with the first event (one write, not two), and a worker that fails
+    # before its first byte still gets a plain HTTP error, not an SSE one.
+    try:
+        first = await anext(chunks, b"")
+    except GatewayError as exc:
+        await _fail(state, exchange, admitted, endpoint, send, exc)
+        return
     rid = exchange.rid.encode("latin-1")
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [*_SSE_HEADERS, (b"x-request-id", rid)],
-        }
-    )
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [*_SSE_HEADERS, (b"x-request-id", rid)],
+    }
+    await send(start)
     failure: GatewayError | None = None
     try:
-        async for chunk in resp.chunks():
-            out = rewriter.feed(chunk)
+        events = rewriter.split(first)
+        while True:
+            out = b"".join([rewriter.rewrite(e) for e in events])
             if out:
                 if exchange.first_byte is None:
                     exchange.first_byte = time.perf_counter()
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             if rewriter.done or rewriter.error is not None:
                 break
+            chunk = await anext(chunks, None)
+            if chunk is None:
+                break
+            events = rewriter.split(chunk)
     except GatewayError as exc:
         failure = exc
     except OSError as exc:  # the server could not write to the caller: it is gone

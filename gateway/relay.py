@@ -7,6 +7,7 @@ errors become the OpenAI envelope.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,34 +104,45 @@ class StreamRewriter:
     empty), keeping any partial event for the next chunk.
     """
 
-    __slots__ = ("_buffer", "_include_usage", "_model", "_tier", "done", "error", "usage")
+    __slots__ = (
+        "_buffer", "_include_usage", "_model", "_model_field", "_tier", "_tier_prefix", "done",
+        "error", "usage",
+    )  # fmt: skip
 
     def __init__(self, model: str, tier: str, include_usage: bool, usage: Usage) -> None:
         self._model = model
         self._tier = tier
         self._include_usage = include_usage
         self._buffer = b""
+        self._model_field = b'"model":' + orjson.dumps(model)
+        self._tier_prefix = b'data: {"service_tier":' + orjson.dumps(tier) + b","
         self.usage = usage
         self.done = False
         self.error: GatewayError | None = None
 
     def feed(self, chunk: bytes) -> bytes:
+        """The complete events in `chunk` (with what was left over before), rewritten."""
+        return b"".join([self.rewrite(e) for e in self.split(chunk)])
+
+    def split(self, chunk: bytes) -> list[bytes]:
+        """The complete events so far, not yet rewritten; a partial one waits for more."""
         data = self._buffer + chunk if self._buffer else chunk
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         *events, self._buffer = data.split(b"\n\n")
-        if not events:
-            return b""
-        out = [self._event(e) for e in events if e]
-        return b"".join(out)
+        return [e for e in events if e]
 
-    def _event(self, event: bytes) -> bytes:
+    def rewrite(self, event: bytes) -> bytes:
+        """One event as the caller should see it (b"" when it is dropped)."""
         if not event.startswith(b"data:"):
             return event + b"\n\n"  # comments / keep-alives pass through untouched
         payload = event[5:].strip()
         if payload == b"[DONE]":
             self.done = True
             return DONE_EVENT
+        fast = self._splice(payload)
+        if fast is not None:
+            return fast
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -150,3 +162,24 @@ class StreamRewriter:
                 return b""
             del data["usage"]
         return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    def _splice(self, payload: bytes) -> bytes | None:
+        """The common token chunk rewritten without parsing it: its `"model"` value swapped
+        and `"service_tier"` put first. None when the chunk needs a real look (usage, an
+        error, a tier already there, an unexpected shape)."""
+        if not payload.startswith(b"{") or b'"error"' in payload or b'"service_tier"' in payload:
+            return None
+        if b'"usage":{' in payload or (not self._include_usage and b'"usage"' in payload):
+            return None
+        # Inside JSON strings every quote is escaped, so this matches only a real key; the
+        # first one is the top-level "model" of OpenAI/vLLM chunks (before "choices").
+        found = _MODEL_KEY.search(payload)
+        if found is None:
+            return None
+        return b"".join(
+            (self._tier_prefix, payload[1 : found.start()], self._model_field,
+             payload[found.end() :], b"\n\n")
+        )  # fmt: skip
+
+
+_MODEL_KEY = re.compile(rb'"model"\s*:\s*"[^"\\]*"')

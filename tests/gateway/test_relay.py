@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from itertools import pairwise
 from typing import Any
 
@@ -367,3 +368,36 @@ def test_usage_ignores_incomplete_records(raw: Any) -> None:
     usage = Usage()
     usage.take(raw)
     assert usage == Usage()
+
+
+# --- the splice fast path agrees with a full parse -------------------------------------------
+
+_TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    content=_TEXT,
+    worker_model=st.text(alphabet="abcdefghij-/._:", min_size=1, max_size=12),
+    spaced=st.booleans(),
+    model_first=st.booleans(),
+    include_usage=st.booleans(),
+)
+def test_spliced_chunks_equal_parsed_chunks(
+    content: str, worker_model: str, spaced: bool, model_first: bool, include_usage: bool
+) -> None:
+    chunk: dict[str, object] = {"id": "c1", "object": "chat.completion.chunk", "created": 1}
+    choices = [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
+    items = [("model", worker_model), ("choices", choices), ("usage", None)]
+    if not model_first:
+        items.reverse()
+    chunk.update(items)
+    raw = json.dumps(chunk, separators=(", ", ": ") if spaced else (",", ":")).encode()
+    rewriter = StreamRewriter("gw/served", "flex", include_usage, Usage())
+    out = rewriter.feed(b"data: " + raw + b"\n\n")
+    assert out.startswith(b"data: ") and out.endswith(b"\n\n")
+    got = json.loads(out[6:-2])
+    expected = {**chunk, "model": "gw/served", "service_tier": "flex"}
+    if not include_usage:
+        del expected["usage"]
+    assert got == expected
