@@ -89,7 +89,13 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.listen.host
     port = args.port or config.listen.port
     log.info("serving %d models on %s:%d", len(config.models), host, port)
-    serve(build_app(GatewayState(config)), host, port)
+    state = GatewayState(config)
+
+    def drain() -> None:
+        state.draining = True
+        log.info("stopping: draining requests in flight (up to %ss)", config.shutdown_grace_s)
+
+    serve(build_app(state), host, port, grace_s=config.shutdown_grace_s, on_stop=drain)
     return 0
 
 

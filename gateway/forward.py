@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.edge import ClientGone, Send, send_error, send_json
-from gateway.errors import GatewayError, UpstreamBroken
+from gateway.errors import GatewayError, UpstreamBroken, UpstreamUnavailable
 from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
 from gateway.state import GatewayState
 from routing.admission import Admitted
@@ -36,122 +37,144 @@ class Exchange:
     first_byte: float | None = None
 
 
-async def forward(
-    state: GatewayState,
-    exchange: Exchange,
-    admitted: Admitted,
-    endpoint: Endpoint,
-    path: str,
-    body: bytes,
-    send: Send,
-) -> None:
-    endpoint.inflight += 1
-    try:
+class Hop:
+    """One admitted request's trip to a worker and back.
+
+    A worker that cannot be reached before any byte went to the caller is taken out of
+    rotation and the request moves, once, to another endpoint of the same model.
+    """
+
+    def __init__(
+        self,
+        state: GatewayState,
+        exchange: Exchange,
+        admitted: Admitted,
+        path: str,
+        body_for: Callable[[Endpoint], bytes],
+        send: Send,
+    ) -> None:
+        self._state = state
+        self._exchange = exchange
+        self._admitted = admitted
+        self._path = path
+        self._body_for = body_for
+        self._send = send
+        self._pool = state.pools.for_model(admitted.candidate.model.name)
+        lease = admitted.lease
+        self.endpoint = self._pool.pick() if lease.local else self._pool.by_url[lease.endpoint]
+
+    async def run(self) -> None:
         try:
-            resp = await state.upstream.post(
-                endpoint.url + path, body, _worker_headers(endpoint, exchange.rid)
-            )
+            resp = await self._open()
         except GatewayError as exc:
-            await _fail(state, exchange, admitted, endpoint, send, exc)
+            await self._fail(exc)
             return
+        endpoint = self.endpoint
+        endpoint.inflight += 1
         try:
+            self._state.health.answered(endpoint.url, resp.status)
             if resp.status != 200:
-                error = worker_error(resp.status, await resp.read())
-                await _fail(state, exchange, admitted, endpoint, send, error)
-            elif exchange.stream:
-                await _relay_stream(state, exchange, admitted, endpoint, resp, send)
+                await self._fail(worker_error(resp.status, await resp.read()))
+            elif self._exchange.stream:
+                await self._relay_stream(resp)
             else:
-                await _relay_answer(state, exchange, admitted, endpoint, resp, send)
+                await self._relay_answer(resp)
         finally:
+            endpoint.inflight -= 1
             resp.close()
-    finally:
-        endpoint.inflight -= 1
 
+    async def _open(self) -> UpstreamResponse:
+        headers = _worker_headers(self.endpoint, self._exchange.rid)
+        try:
+            return await self._post(headers)
+        except UpstreamUnavailable:
+            self._state.health.unreachable(self.endpoint.url)
+            lease = self._admitted.lease
+            if lease.local or not await self._state.admission.reroute(
+                lease, self._admitted.tier, self.endpoint.url
+            ):
+                raise
+            self._count_error(UpstreamUnavailable.__name__)
+            self.endpoint = self._pool.by_url[lease.endpoint]
+        try:
+            return await self._post(_worker_headers(self.endpoint, self._exchange.rid))
+        except UpstreamUnavailable:
+            self._state.health.unreachable(self.endpoint.url)
+            raise
 
-async def _fail(
-    state: GatewayState,
-    exchange: Exchange,
-    admitted: Admitted,
-    endpoint: Endpoint,
-    send: Send,
-    exc: GatewayError,
-) -> None:
-    exchange.status = exc.status
-    exchange.finished = True
-    model = admitted.candidate.model.name
-    state.metrics.upstream_errors.labels(model, endpoint.url, type(exc).__name__).inc()
-    await send_error(send, exc, exchange.rid)
+    async def _post(self, headers: dict[str, str]) -> UpstreamResponse:
+        url = self.endpoint.url + self._path
+        return await self._state.upstream.post(url, self._body_for(self.endpoint), headers)
 
+    async def _fail(self, exc: GatewayError) -> None:
+        self._exchange.status = exc.status
+        self._exchange.finished = True
+        self._count_error(type(exc).__name__)
+        await send_error(self._send, exc, self._exchange.rid)
 
-async def _relay_answer(
-    state: GatewayState,
-    exchange: Exchange,
-    admitted: Admitted,
-    endpoint: Endpoint,
-    resp: UpstreamResponse,
-    send: Send,
-) -> None:
-    model, tier = admitted.candidate.model.name, admitted.tier.value
-    try:
-        body = rewrite_answer(await resp.read(), model, tier, exchange.usage)
-    except GatewayError as exc:
-        await _fail(state, exchange, admitted, endpoint, send, exc)
-        return
-    exchange.finished = True
-    await send_json(send, 200, body, [(b"x-request-id", exchange.rid.encode("latin-1"))])
+    def _count_error(self, kind: str) -> None:
+        model = self._admitted.candidate.model.name
+        self._state.metrics.upstream_errors.labels(model, self.endpoint.url, kind).inc()
 
+    async def _relay_answer(self, resp: UpstreamResponse) -> None:
+        admitted, exchange = self._admitted, self._exchange
+        model, tier = admitted.candidate.model.name, admitted.tier.value
+        try:
+            body = rewrite_answer(await resp.read(), model, tier, exchange.usage)
+        except GatewayError as exc:
+            await self._fail(exc)
+            return
+        exchange.finished = True
+        await send_json(self._send, 200, body, [(b"x-request-id", exchange.rid.encode("latin-1"))])
 
-async def _relay_stream(
-    state: GatewayState,
-    exchange: Exchange,
-    admitted: Admitted,
-    endpoint: Endpoint,
-    resp: UpstreamResponse,
-    send: Send,
-) -> None:
-    model, tier = admitted.candidate.model.name, admitted.tier.value
-    rewriter = StreamRewriter(model, tier, exchange.include_usage, exchange.usage)
-    chunks = aiter(resp.chunks())
-    # The 200 goes out with the first event (one write, not two), and a worker that fails
-    # before its first byte still gets a plain HTTP error, not an SSE one.
-    try:
-        first = await anext(chunks, b"")
-    except GatewayError as exc:
-        await _fail(state, exchange, admitted, endpoint, send, exc)
-        return
-    rid = exchange.rid.encode("latin-1")
-    start = {
-        "type": "http.response.start",
-        "status": 200,
-        "headers": [*_SSE_HEADERS, (b"x-request-id", rid)],
-    }
-    await send(start)
-    failure: GatewayError | None = None
-    try:
-        events = rewriter.split(first)
-        while True:
-            out = b"".join([rewriter.rewrite(e) for e in events])
-            if out:
-                if exchange.first_byte is None:
-                    exchange.first_byte = time.perf_counter()
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-            if rewriter.done or rewriter.error is not None:
-                break
-            chunk = await anext(chunks, None)
-            if chunk is None:
-                break
-            events = rewriter.split(chunk)
-    except GatewayError as exc:
-        failure = exc
-    except OSError as exc:  # the server could not write to the caller: it is gone
-        raise ClientGone() from exc
-    if rewriter.error is None and not rewriter.done:
-        failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
-        await send({"type": "http.response.body", "body": error_event(failure), "more_body": True})
-    if rewriter.error is not None or failure is not None:
-        exchange.status = 502
-    exchange.finished = True
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    async def _relay_stream(self, resp: UpstreamResponse) -> None:
+        admitted, exchange, send = self._admitted, self._exchange, self._send
+        model, tier = admitted.candidate.model.name, admitted.tier.value
+        rewriter = StreamRewriter(model, tier, exchange.include_usage, exchange.usage)
+        chunks = aiter(resp.chunks())
+        # The 200 goes out with the first event (one write, not two), and a worker that
+        # fails before its first byte still gets a plain HTTP error, not an SSE one.
+        try:
+            first = await anext(chunks, b"")
+        except GatewayError as exc:
+            await self._fail(exc)
+            return
+        rid = exchange.rid.encode("latin-1")
+        headers = [*_SSE_HEADERS, (b"x-request-id", rid)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        failure: GatewayError | None = None
+        try:
+            events = rewriter.split(first)
+            while True:
+                out = b"".join([rewriter.rewrite(e) for e in events])
+                if out:
+                    if exchange.first_byte is None:
+                        exchange.first_byte = time.perf_counter()
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if rewriter.done or rewriter.error is not None:
+                    break
+                chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
+                events = rewriter.split(chunk)
+        except GatewayError as exc:
+            failure = exc
+        except OSError as exc:  # the server could not write to the caller: it is gone
+            raise ClientGone() from exc
+        await self._end_stream(rewriter, failure)
+
+    async def _end_stream(self, rewriter: StreamRewriter, failure: GatewayError | None) -> None:
+        """A stream without [DONE] ends with an SSE error event (the 200 is already out)."""
+        exchange, send = self._exchange, self._send
+        if rewriter.error is None and not rewriter.done:
+            failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
+            event = error_event(failure)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        if rewriter.error is not None or failure is not None:
+            exchange.status = 502
+            self._count_error(type(failure or rewriter.error).__name__)
+        exchange.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _worker_headers(endpoint: Endpoint, rid: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from gateway.auth import Account, key_from_headers
@@ -26,14 +27,16 @@ from gateway.edge import (
     request_id,
     send_error,
 )
-from gateway.errors import GatewayError, RateLimited
-from gateway.forward import Exchange, forward
+from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
+from gateway.forward import Exchange, Hop
 from gateway.relay import Usage
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
-from routing.admission import Admitted
+from routing.admission import Admission, Admitted
+from routing.affinity import affinity_key, rendezvous
 from routing.endpoints import Endpoint
 from routing.plan import plan_candidates
+from routing.registry import Model
 from tiers.policy import Tier
 from tiers.resolve import applied_tier, requested_tier
 
@@ -69,6 +72,8 @@ class Proxy:
         rid = request_id(headers.request_id)
         state = self._state
         try:
+            if state.draining:
+                raise ServiceUnavailable("The gateway is shutting down.", code="shutting_down")
             key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
             account = await state.keys.authenticate(key)
             limit = state.config.limits.max_body_bytes
@@ -96,9 +101,8 @@ class Proxy:
             await send_error(send, exc, parsed.rid)
             return
         try:
-            endpoint = self._endpoint(admitted)
-            body = _forward_body(parsed, admitted, endpoint)
-            await forward(self._state, exchange, admitted, endpoint, self._path, body, send)
+            body_for = partial(_forward_body, parsed, admitted)
+            await Hop(self._state, exchange, admitted, self._path, body_for, send).run()
         except ClientGone:
             exchange.status = 499  # nginx's "client closed request", for metrics only
         except asyncio.CancelledError:
@@ -118,22 +122,19 @@ class Proxy:
             registry=self._state.registry,
             allowed=account.models,
         )
-        admitted = await self._state.admission.admit(
+        admission = self._state.admission
+        cache_key = affinity_key(request.prompt_cache_key, getattr(request, "cache_salt", None))
+        admitted = await admission.admit(
             candidates,
             lambda model: applied_tier(wanted, model.tiers, account.tiers),
             account.name,
             account.max_concurrency,
+            None if cache_key is None else partial(_preferred, admission, cache_key),
         )
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name
             self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
         return admitted
-
-    def _endpoint(self, admitted: Admitted) -> Endpoint:
-        pool = self._state.pools.for_model(admitted.candidate.model.name)
-        if admitted.lease.local:
-            return pool.pick()
-        return pool.by_url[admitted.lease.endpoint]
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
         metrics = self._state.metrics
@@ -183,6 +184,11 @@ async def _until_disconnect(
         task.uncancel()
     finally:
         watcher.cancel()
+
+
+def _preferred(admission: Admission, cache_key: str, model: Model) -> list[str]:
+    """The model's endpoints in this cache key's order (prefix-cache affinity)."""
+    return rendezvous(cache_key, admission.slots[model.name].urls)
 
 
 def _forward_body(parsed: Parsed, admitted: Admitted, endpoint: Endpoint) -> bytes:

@@ -6,6 +6,7 @@ import asyncio
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import FrameType
 
 import uvicorn
 
@@ -17,7 +18,7 @@ except ImportError:  # pragma: no cover
     LOOP = "asyncio"
 
 
-def server_config(app: object, host: str, port: int) -> uvicorn.Config:
+def server_config(app: object, host: str, port: int, grace_s: float = 30) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
@@ -28,13 +29,34 @@ def server_config(app: object, host: str, port: int) -> uvicorn.Config:
         access_log=False,  # no per-request logging on the hot path (and no prompts in logs)
         log_level="warning",
         server_header=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=int(grace_s) or None,
     )
 
 
-def serve(app: object, host: str, port: int) -> None:
-    """Run one app until SIGINT/SIGTERM (uvicorn's own signal handling)."""
-    uvicorn.Server(server_config(app, host, port)).run()
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app first when a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._on_stop is not None:
+            self._on_stop()
+        super().handle_exit(sig, frame)
+
+
+def serve(
+    app: object,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = 30,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Run one app until SIGINT/SIGTERM: then it stops accepting, lets requests in flight
+    finish for up to `grace_s`, runs the lifespan shutdown and returns."""
+    _DrainingServer(server_config(app, host, port, grace_s), on_stop).run()
 
 
 class _QuietServer(uvicorn.Server):

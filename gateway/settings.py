@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from routing.health import HealthSettings
 from routing.registry import MODEL_NAME_PATTERN, ModelConfig
 from routing.upstream import UpstreamSettings
 from tiers.policy import Tier, TiersConfig
@@ -80,9 +81,12 @@ class GatewayConfig(BaseModel):
     redis: RedisConfig = RedisConfig()
     limits: LimitsConfig = LimitsConfig()
     upstream: UpstreamSettings = UpstreamSettings()
+    health: HealthSettings = HealthSettings()
     tiers: TiersConfig = TiersConfig()
     models: dict[str, ModelConfig] = Field(min_length=1)
     keys: tuple[KeyConfig, ...] = ()
+    # On SIGTERM: stop taking requests, let those in flight finish for up to this long.
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600)
 
     @field_validator("models")
     @classmethod

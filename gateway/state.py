@@ -9,6 +9,7 @@ from gateway.metrics import Metrics
 from gateway.settings import GatewayConfig
 from routing.admission import Admission
 from routing.endpoints import Pools
+from routing.health import Health
 from routing.keeper import Keeper
 from routing.registry import Registry
 from routing.store import connect, script_store, subscriber
@@ -43,18 +44,46 @@ class GatewayState:
         )
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
+        self.health = Health(self.registry, config.health, self._health_changed)
         self.metrics = Metrics()
+        self._health_changed({url for url in self.health.endpoints})
+        # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
+        # flight finish.
+        self.draining = False
+
+    def _health_changed(self, urls: set[str]) -> None:
+        """Endpoints went in or out of rotation: capacities, scripts and gauges follow."""
         for model in self.registry:
-            self.metrics.capacity.labels(model.name).set(model.capacity)
-            for endpoint in model.config.endpoints:
-                self.metrics.endpoint_up.labels(model.name, endpoint.base_url).set(1)
+            if not any(e.base_url in urls for e in model.config.endpoints):
+                continue
+            healthy = [
+                (e.base_url, e.max_concurrency, self.health.penalty(e.base_url))
+                for e in model.config.endpoints
+                if self.health.is_up(e.base_url)
+            ]
+            self.admission.set_endpoints(model.name, healthy)
+            self.metrics.capacity.labels(model.name).set(self.admission.slots[model.name].capacity)
+            for e in model.config.endpoints:
+                up = 1 if self.health.is_up(e.base_url) else 0
+                self.metrics.endpoint_up.labels(model.name, e.base_url).set(up)
+
+    def unready(self) -> str | None:
+        """Why this replica should not get traffic, or None."""
+        if self.draining:
+            return "shutting down"
+        down = [m.name for m in self.registry if self.admission.slots[m.name].capacity == 0]
+        if down:
+            return "no healthy endpoint for " + ", ".join(down[:10])
+        return None
 
     async def start(self) -> None:
         await self.upstream.start()
         await self.admission.start()
         await self.keeper.start()
+        await self.health.start()
 
     async def close(self) -> None:
+        await self.health.close()
         await self.keeper.close()
         await self.admission.close()
         if self.admission.store is not self.redis:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.errors import RateLimited, ServiceUnavailable
+from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
 from routing.plan import Candidate
 from routing.registry import Model, Registry
 from routing.slots import (
@@ -123,11 +123,14 @@ class Admission:
         started = self._clock()
         held_account = False
         try:
-            last: RateLimited | None = None
-            for pos, cand in enumerate(candidates):
+            last: GatewayError | None = None
+            for cand in candidates:
                 tier = tier_of(cand.model)
+                if self.slots[cand.model.name].capacity == 0:
+                    last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
+                    continue
                 call = self._attempt_call(cand, tier, lease_id, affinity)
-                if pos == 0:
+                if not held_account:
                     account_call = ("account", [akey], [lease_id, account_limit, self.ttl_ms])
                     replies = await self._outliving(
                         self.scripts.submit(self.store, [account_call, call]),
@@ -233,6 +236,28 @@ class Admission:
             return RateLimited(message, code="flex_no_capacity", retry_after_s=retry)
         message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
         return RateLimited(message, code="model_busy", retry_after_s=retry)
+
+    def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
+        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
+        self.slots[model].set_endpoints(endpoints)
+        self.local.capacity[model] = self.slots[model].capacity
+
+    async def reroute(self, lease: Lease, tier: Tier, unreachable: str) -> bool:
+        """Move a held slot off an endpoint that could not be reached, onto another endpoint
+        of the same model with room (no waiting). False when there is none; either way the
+        request still releases its lease as usual."""
+        slots = self.slots[lease.model]
+        others = [url for url in slots.urls if url != unreachable]
+        calls = [
+            slots.release(lease.id),
+            slots.acquire(lease.id, tier, may_wait=False, wait_ms=0, only=others),
+        ]
+        replies = await asyncio.shield(self.scripts.submit(self.store, calls))
+        result = attempt(replies[1])
+        if result.status != GRANTED:
+            return False
+        lease.endpoint = result.endpoint
+        return True
 
     def retry_after(self, model: str, ahead: int) -> int:
         """Seconds until a slot is likely free for a newcomer: the queue ahead over the rate
@@ -376,12 +401,14 @@ class LocalShares:
     """Admission while Redis is down under `on_outage: local`: this replica's share only."""
 
     def __init__(self, registry: Registry, tiers: TiersConfig) -> None:
-        self._capacity = {m.name: m.capacity for m in registry}
+        self.capacity = {m.name: m.capacity for m in registry}
         self._tiers = tiers
-        self._inflight: dict[str, int] = dict.fromkeys(self._capacity, 0)
+        self._inflight: dict[str, int] = dict.fromkeys(self.capacity, 0)
 
     def take(self, model: str, tier: Tier, replicas: int) -> bool:
-        share = self._capacity[model] / max(1, replicas)
+        if self.capacity[model] == 0:
+            return False
+        share = self.capacity[model] / max(1, replicas)
         ceiling = share * self._tiers.policy(tier).max_utilization
         if self._inflight[model] >= max(1.0, math.floor(ceiling)):
             return False
@@ -393,7 +420,8 @@ class LocalShares:
 
 
 def _slots(model: Model, tiers: TiersConfig, ttl_ms: int) -> ModelSlots:
-    endpoints = [(e.base_url, e.max_concurrency) for e in model.config.endpoints]
-    capacity = model.capacity
-    ceilings = {t: capacity * tiers.policy(t).max_utilization for t in Tier}
-    return ModelSlots(model.name, endpoints, ceilings, model.config.max_queue, ttl_ms)
+    utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+    slots = ModelSlots(model.name, utilization, model.config.max_queue, ttl_ms)
+    # Every endpoint is in rotation until health checks say otherwise.
+    slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
+    return slots

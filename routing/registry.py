@@ -27,6 +27,8 @@ class EndpointConfig(BaseModel):
     model: str | None = Field(None, min_length=1, max_length=256)
     # Credentials for the worker itself (vLLM --api-key); never the caller's key.
     api_key: str | None = Field(None, repr=False)
+    # Read the worker's /metrics (vLLM's queue and KV-cache gauges) to prefer idle workers.
+    metrics: bool = False
 
     @field_validator("api_key")
     @classmethod

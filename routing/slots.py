@@ -172,15 +172,14 @@ def account_key(account: str) -> str:
 
 
 class ModelSlots:
-    """One model's slots in Redis: its keys and the script calls on them, arguments built once."""
+    """One model's slots in Redis: its keys and the script calls on them.
+
+    The endpoints in rotation (healthy ones) and so the capacity and tier ceilings change
+    with health; the script arguments are rebuilt then, not per request.
+    """
 
     def __init__(
-        self,
-        model: str,
-        endpoints: Sequence[tuple[str, int]],
-        ceilings: dict[Tier, float],
-        max_queue: int,
-        ttl_ms: int,
+        self, model: str, utilization: dict[Tier, float], max_queue: int, ttl_ms: int
     ) -> None:
         tag = "gw:{" + model + "}:"
         self.model = model
@@ -188,14 +187,25 @@ class ModelSlots:
             tag + k for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp")
         ]
         self.channel = tag + "wake"
-        self.capacity = sum(m for _, m in endpoints)
         self.max_queue = max_queue
         self._ttl = ttl_ms
-        self._sizes = dict(endpoints)
-        self._ceilings = [ceilings[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
-        self._endpoints: list[Any] = [len(endpoints)]
-        for url, size in endpoints:
-            self._endpoints += [url, size]
+        self._utilization = [utilization[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        self.set_endpoints([])
+
+    def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
+        """The endpoints in rotation: (url, max_concurrency, load penalty)."""
+        self.capacity = sum(size for _, size, _ in endpoints)
+        self.urls = [url for url, _, _ in endpoints]
+        self._ceilings = [self.capacity * u for u in self._utilization]
+        self._spec = {url: (size, penalty) for url, size, penalty in endpoints}
+        self._endpoints = self._args(self.urls)
+
+    def _args(self, urls: Sequence[str]) -> list[Any]:
+        args: list[Any] = [len(urls)]
+        for url in urls:
+            size, penalty = self._spec[url]
+            args += [url, size, round(penalty, 4)]
+        return args
 
     def acquire(
         self,
@@ -205,14 +215,15 @@ class ModelSlots:
         may_wait: bool,
         wait_ms: int,
         affinity: Sequence[str] | None = None,
+        only: Sequence[str] | None = None,
     ) -> Call:
-        endpoints = self._endpoints
-        mode = "least"
+        """`affinity`: take the first of these endpoints with room (prefix-cache order);
+        `only`: the least loaded among these; else the least loaded of all."""
+        mode, endpoints = "least", self._endpoints
         if affinity:
-            mode = "first"
-            endpoints = [len(affinity)]
-            for url in affinity:
-                endpoints += [url, self._sizes[url]]
+            mode, endpoints = "first", self._args([u for u in affinity if u in self._spec])
+        elif only is not None:
+            endpoints = self._args([u for u in only if u in self._spec])
         args = [lease_id, self._ttl, tier.rank, int(may_wait), self.max_queue, wait_ms,
                 self.channel, mode, *self._ceilings, *endpoints]  # fmt: skip
         return ("acquire", self.keys, args)

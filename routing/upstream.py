@@ -113,6 +113,8 @@ class Upstream:
             raise RuntimeError("Upstream.start() was not called")
         try:
             resp = await session.post(url, data=body, headers=headers)
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise UpstreamUnavailable("The worker could not be reached in time.") from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout("The worker did not answer in time.") from exc
         except (aiohttp.ClientConnectionError, OSError) as exc:

@@ -1,7 +1,7 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 wait_ms,
 --       7 channel, 8 mode ('least'|'first'), 9..11 ceilings (priority, default, flex),
---       12.. endpoints (n, then url, max pairs)
+--       12.. endpoints (n, then url, max, penalty triples)
 -- Returns {status, endpoint, inflight, ahead}: status 1 granted, 2 queued, 0 busy, -1 full.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local ceilings = ceilings_at(9)

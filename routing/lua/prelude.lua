@@ -35,26 +35,28 @@ local function expire(now)
   end
 end
 
--- Endpoints arrive as ARGV[from] = n, then n pairs (url, max_concurrency).
+-- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
+-- penalty (>= 0) is the worker's own load signal (queue, KV cache), 0 when not scraped.
 local function endpoints(from)
   local n = tonumber(ARGV[from])
   local eps = {}
   for i = 1, n do
-    eps[i] = {ARGV[from + 2 * i - 1], tonumber(ARGV[from + 2 * i])}
+    local at = from + 3 * i - 2
+    eps[i] = {ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])}
   end
   return eps
 end
 
 -- The endpoint to take: in 'first' mode the first with room (cache affinity order), else the
--- least loaded relative to its size. nil when every endpoint is full.
+-- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
 local function pick(eps, mode)
-  local best, best_ratio = nil, nil
+  local best, best_score = nil, nil
   for _, e in ipairs(eps) do
     local load = tonumber(redis.call('HGET', KEYS[4], e[1]) or '0')
     if load < e[2] then
       if mode == 'first' then return e[1] end
-      local ratio = load / e[2]
-      if best == nil or ratio < best_ratio then best, best_ratio = e[1], ratio end
+      local score = load / e[2] + e[3]
+      if best == nil or score < best_score then best, best_score = e[1], score end
     end
   end
   return best

@@ -36,10 +36,10 @@ def slots(
     flex: float = 0.8,
     model: str = "m",
 ) -> ModelSlots:
-    capacity = sum(size for _, size in endpoints)
-    ceilings = {Tier.PRIORITY: capacity * 1.0, Tier.DEFAULT: capacity * 1.0}
-    ceilings[Tier.FLEX] = capacity * flex
-    return ModelSlots(model, endpoints, ceilings, max_queue, TTL_MS)
+    utilization = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
+    made = ModelSlots(model, utilization, max_queue, TTL_MS)
+    made.set_endpoints([(url, size, 0.0) for url, size in endpoints])
+    return made
 
 
 class Model:

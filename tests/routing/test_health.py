@@ -1,0 +1,154 @@
+"""Endpoint health: active probes, passive ejection with back-off, the load penalty."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from gateway.settings import parse_config
+from routing.health import Health, HealthSettings, _gauge
+from routing.registry import Registry
+
+CONFIG = """
+models:
+  a:
+    endpoints:
+      - {url: "http://w1:8000", max_concurrency: 4}
+      - {url: "http://w2:8000", max_concurrency: 4}
+  b: {endpoints: [{url: "http://w2:8000", max_concurrency: 8, metrics: true}]}
+"""
+W1, W2 = "http://w1:8000", "http://w2:8000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**settings: float) -> tuple[Health, list[set[str]], Clock]:
+    registry = Registry(parse_config(CONFIG, "t.yaml").models)
+    changes: list[set[str]] = []
+    clock = Clock()
+    health = Health(registry, HealthSettings(**settings), changes.append, clock=clock)
+    return health, changes, clock
+
+
+def test_endpoints_are_shared_between_models() -> None:
+    health, _, _ = make()
+    assert set(health.endpoints) == {W1, W2}
+    assert health.endpoints[W2].size == 8
+    assert health.endpoints[W2].scrape and not health.endpoints[W1].scrape
+
+
+def test_failed_probes_take_it_out_and_a_good_one_brings_it_back() -> None:
+    health, changes, _ = make(unhealthy_after=2)
+    health.probed(W1, ok=False)
+    assert health.is_up(W1) and changes == []
+    health.probed(W1, ok=False)
+    assert not health.is_up(W1) and changes == [{W1}]
+    health.probed(W1, ok=True)
+    assert health.is_up(W1) and changes == [{W1}, {W1}]
+
+
+def test_unreachable_ejects_at_once_with_a_doubling_back_off() -> None:
+    health, _, clock = make(ejection_s=5, max_ejection_s=120)
+    health.unreachable(W1)
+    assert not health.is_up(W1)
+    health.probed(W1, ok=True)
+    assert not health.is_up(W1)  # still inside its ejection
+    clock.now += 5
+    health.probed(W1, ok=True)
+    assert health.is_up(W1)
+    health.unreachable(W1)
+    clock.now += 5
+    health.probed(W1, ok=True)
+    assert not health.is_up(W1)  # second ejection lasts 10 s
+    clock.now += 5
+    health.probed(W1, ok=True)
+    assert health.is_up(W1)
+
+
+def test_5xx_in_a_row_eject_and_a_success_resets_the_count() -> None:
+    health, _, _ = make(passive_5xx=3)
+    for status in (500, 502, 200, 503, 500):
+        health.answered(W1, status)
+    assert health.is_up(W1)
+    health.answered(W1, 500)
+    assert not health.is_up(W1)
+
+
+def test_penalty_changes_are_reported() -> None:
+    health, changes, _ = make()
+    health.probed(W2, ok=True, penalty=0.5)
+    assert health.penalty(W2) == 0.5 and changes == [{W2}]
+    health.probed(W2, ok=True, penalty=0.51)
+    assert changes == [{W2}]  # too small a change to rebuild anything
+
+
+def test_gauge_sums_label_sets_and_knows_the_old_name() -> None:
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{model_name="a"} 3.0\n'
+        'vllm:num_requests_waiting{model_name="b"} 2.0\n'
+        "vllm:gpu_cache_usage_perc 0.25\n"
+    )
+    assert _gauge(text, ("vllm:num_requests_waiting",)) == 5.0
+    assert _gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")) == 0.25
+    assert _gauge(text, ("nothing",)) == 0.0
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[tuple[str, dict[str, object]]]:
+    """A real HTTP worker on loopback whose /health and /metrics the test controls."""
+    control: dict[str, object] = {"health": 200, "waiting": 8.0}
+
+    async def health_route(_: object) -> PlainTextResponse:
+        return PlainTextResponse("", status_code=int(str(control["health"])))
+
+    async def metrics_route(_: object) -> PlainTextResponse:
+        waiting = control["waiting"]
+        return PlainTextResponse(
+            f"vllm:num_requests_waiting {waiting}\nvllm:kv_cache_usage_perc 0.5\n"
+        )
+
+    app = Starlette(routes=[Route("/health", health_route), Route("/metrics", metrics_route)])
+    # A socket bound here: connections wait in its backlog until the server accepts them.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    yield f"http://127.0.0.1:{port}", control
+    server.should_exit = True
+    await task
+    sock.close()
+
+
+async def test_probes_against_a_real_worker(worker: tuple[str, dict[str, object]]) -> None:
+    url, control = worker
+    config = parse_config(
+        f'models: {{m: {{endpoints: [{{url: "{url}", max_concurrency: 4, metrics: true}}]}}}}',
+        "t.yaml",
+    )
+    changes: list[set[str]] = []
+    health = Health(Registry(config.models), HealthSettings(unhealthy_after=1), changes.append)
+    await health.start()
+    try:
+        await health.probe_all()
+        assert health.is_up(url)
+        assert health.penalty(url) == pytest.approx(2.0 + 0.5)  # waiting 8 / size 4, capped at 2
+        control["health"] = 503
+        await health.probe_all()
+        assert not health.is_up(url)
+    finally:
+        await health.close()
