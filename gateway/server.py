@@ -45,6 +45,18 @@ class _DrainingServer(uvicorn.Server):
             self._on_stop()
         super().handle_exit(sig, frame)
 
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the stop signal after its graceful shutdown, so the process
+        # would die of SIGTERM; a drained gateway exits 0 instead (Kubernetes reads it).
+        stops = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
 
 def serve(
     app: object,

@@ -199,6 +199,9 @@ class ModelSlots:
         self._ceilings = [self.capacity * u for u in self._utilization]
         self._spec = {url: (size, penalty) for url, size, penalty in endpoints}
         self._endpoints = self._args(self.urls)
+        # Ties in load go to the first endpoint listed: acquires take turns at the order.
+        self._rotations = [self._args(self.urls[i:] + self.urls[:i]) for i in range(len(self.urls))]
+        self._turn = 0
 
     def _args(self, urls: Sequence[str]) -> list[Any]:
         args: list[Any] = [len(urls)]
@@ -220,6 +223,9 @@ class ModelSlots:
         """`affinity`: take the first of these endpoints with room (prefix-cache order);
         `only`: the least loaded among these; else the least loaded of all."""
         mode, endpoints = "least", self._endpoints
+        if self._rotations:
+            self._turn = (self._turn + 1) % len(self._rotations)
+            endpoints = self._rotations[self._turn]
         if affinity:
             mode, endpoints = "first", self._args([u for u in affinity if u in self._spec])
         elif only is not None:
