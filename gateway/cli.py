@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--config", required=True)
     export.add_argument("--since")
     export.add_argument("--format", choices=["jsonl", "csv"], default="jsonl")
+    export.add_argument(
+        "--by",
+        help="sum instead, grouped by a comma-separated list of: account, tier, model, source",
+    )
     return parser
 
 
@@ -155,13 +159,36 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    load_config(args.config)
-    print(
-        "gateway usage export: not built yet. Usage records are written from the billing "
-        "milestone on (SPEC section 7); this build keeps none.",
-        file=sys.stderr,
-    )
-    return 3
+    from gateway.exporter import GROUPS, export
+    from routing.store import connect
+
+    config = load_config(args.config)
+    by = [g.strip() for g in args.by.split(",") if g.strip()] if args.by else None
+    unknown = [g for g in by or [] if g not in GROUPS]
+    if unknown:
+        print(f"gateway usage export: --by: unknown group {unknown[0]!r}", file=sys.stderr)
+        return 2
+    if config.redis.url.startswith("memory://"):
+        print("gateway usage export: a memory:// store lives inside its gateway", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        redis = connect(config.redis.url)
+        try:
+            return await export(redis, args.since, args.format, by, sys.stdout)
+        finally:
+            await redis.aclose()
+
+    try:
+        rows = asyncio.run(run())
+    except ValueError as exc:
+        print(f"gateway usage export: --since: {exc}", file=sys.stderr)
+        return 2
+    except (RedisError, OSError) as exc:
+        print(f"gateway usage export: store unreachable: {type(exc).__name__}", file=sys.stderr)
+        return 1
+    print(f"# {rows} rows", file=sys.stderr)
+    return 0
 
 
 def _run(coro: Coroutine[Any, Any, str]) -> str:

@@ -125,6 +125,7 @@ class Hop:
             await self._fail(exc)
             return
         exchange.finished = True
+        exchange.first_byte = time.perf_counter()
         await send_json(self._send, 200, body, [(b"x-request-id", exchange.rid.encode("latin-1"))])
 
     async def _relay_stream(self, resp: UpstreamResponse) -> None:

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 from gateway.auth import Account, key_from_headers
+from gateway.billing import usage_record
 from gateway.edge import (
     ClientGone,
     Receive,
@@ -39,6 +40,7 @@ from routing.plan import plan_candidates
 from routing.registry import Model
 from tiers.policy import Tier
 from tiers.resolve import applied_tier, requested_tier
+from tiers.usage import UsageRecord
 
 # Fields only the gateway understands: consumed here, never sent to a worker.
 GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
@@ -56,6 +58,7 @@ class Parsed:
     payload: dict[str, Any]
     request: GatewayRequest
     header_tier: str | None
+    source: str | None
 
 
 class Proxy:
@@ -86,7 +89,9 @@ class Proxy:
             state.metrics.requests.labels("", "", str(exc.status)).inc()
             await send_error(send, exc, rid)
             return
-        parsed = Parsed(rid, started, account, payload, request, headers.service_tier)
+        parsed = Parsed(
+            rid, started, account, payload, request, headers.service_tier, headers.source
+        )
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
@@ -109,7 +114,9 @@ class Proxy:
             exchange.status = 499
             raise
         finally:
-            self._state.admission.release(admitted.lease)  # on its way; nothing to wait for
+            record = self._record(parsed, admitted, exchange).to_fields()
+            # On its way with the usage record, in one round trip; nothing to wait for.
+            self._state.admission.release(admitted.lease, record)
             self._observe(admitted, exchange)
 
     async def _admit(self, parsed: Parsed) -> Admitted:
@@ -135,6 +142,21 @@ class Proxy:
             first = candidates[0].model.name
             self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
         return admitted
+
+    def _record(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> UsageRecord:
+        request = parsed.request
+        return usage_record(
+            exchange,
+            admitted,
+            account=parsed.account.name,
+            key_id=parsed.account.key_id,
+            requested_model=(request.models or [request.model])[0],
+            requested_tier=requested_tier(request.service_tier, parsed.header_tier).value,
+            user=request.user,
+            source=parsed.source,
+            payload=parsed.payload,
+            tiers=self._state.config.tiers,
+        )
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
         metrics = self._state.metrics

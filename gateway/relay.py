@@ -30,6 +30,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reported: bool = False
+    # Token chunks relayed: the completion count when a broken stream never reports usage.
+    streamed: int = 0
 
     def take(self, usage: Any) -> None:
         if isinstance(usage, dict):
@@ -142,6 +144,8 @@ class StreamRewriter:
             return DONE_EVENT
         fast = self._splice(payload)
         if fast is not None:
+            if b'"choices":[]' not in payload:
+                self.usage.streamed += 1
             return fast
         try:
             data = orjson.loads(payload)
@@ -154,6 +158,8 @@ class StreamRewriter:
             return error_event(self.error)
         data["model"] = self._model
         data["service_tier"] = self._tier
+        if data.get("choices"):
+            self.usage.streamed += 1
         usage = data.get("usage")
         if usage is not None:
             self.usage.take(usage)

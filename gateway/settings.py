@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from routing.health import HealthSettings
+from routing.ledger import UsageSettings
 from routing.registry import MODEL_NAME_PATTERN, ModelConfig
 from routing.upstream import UpstreamSettings
 from tiers.policy import Tier, TiersConfig
@@ -82,6 +83,7 @@ class GatewayConfig(BaseModel):
     limits: LimitsConfig = LimitsConfig()
     upstream: UpstreamSettings = UpstreamSettings()
     health: HealthSettings = HealthSettings()
+    usage: UsageSettings = UsageSettings()
     tiers: TiersConfig = TiersConfig()
     models: dict[str, ModelConfig] = Field(min_length=1)
     keys: tuple[KeyConfig, ...] = ()

@@ -11,6 +11,7 @@ from routing.admission import Admission
 from routing.endpoints import Pools
 from routing.health import Health
 from routing.keeper import Keeper
+from routing.ledger import UsageSpool
 from routing.registry import Registry
 from routing.store import connect, script_store, subscriber
 from routing.upstream import Upstream
@@ -41,6 +42,7 @@ class GatewayState:
             lease_ttl_s=config.redis.lease_ttl_s,
             on_outage=config.redis.on_outage,
             store=script_store(config.redis.url, self.redis),
+            spool=UsageSpool(config.usage),
         )
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)

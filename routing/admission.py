@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
+from routing.ledger import FLUSH_BATCH, UsageSpool, record_call
 from routing.plan import Candidate
 from routing.registry import Model, Registry
 from routing.slots import (
@@ -78,12 +79,14 @@ class Admission:
         lease_ttl_s: float,
         on_outage: str,
         store: Store | None = None,
+        spool: UsageSpool | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.redis = redis
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
+        self.spool = spool
         self.scripts = Scripts()
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.ttl_ms = int(lease_ttl_s * 1000)
@@ -267,25 +270,57 @@ class Admission:
             return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
 
-    def release(self, lease: Lease) -> asyncio.Future[None]:
-        """Give the slot back. The calls leave at once, whatever happens to the caller
-        afterwards; awaiting the result (never an error) is optional."""
+    def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
+        """Give the slot back, with the request's usage record in the same round trip. The
+        calls leave at once, whatever happens to the caller afterwards; awaiting the
+        result (never an error) is optional. A record Redis did not take is spooled."""
         self.held.pop(lease.id, None)
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if lease.local:
             self.local.release(lease.model)
+            self._spool(usage)
             released.set_result(None)
             return released
         calls = [self.slots[lease.model].release(lease.id), ("ZREM", [lease.account], [lease.id])]
+        if usage is not None:
+            calls.append(record_call(usage))
         try:
             sent = self.scripts.submit(self.store, calls)
         except STORE_ERRORS as exc:
             sent = asyncio.get_running_loop().create_future()
             sent.set_exception(exc)
-        sent.add_done_callback(partial(_released, released))
+        sent.add_done_callback(partial(self._released, released, usage))
         self._releases.add(released)
         released.add_done_callback(self._releases.discard)
         return released
+
+    def _released(
+        self,
+        released: asyncio.Future[None],
+        usage: Mapping[str, str] | None,
+        sent: asyncio.Future[list[Any]],
+    ) -> None:
+        if not sent.cancelled() and (exc := sent.exception()) is not None:
+            log.warning("release failed (%s); the lease expires by its TTL", type(exc).__name__)
+            self._spool(usage)
+        if not released.done():
+            released.set_result(None)
+
+    def _spool(self, usage: Mapping[str, str] | None) -> None:
+        if usage is not None and self.spool is not None:
+            self.spool.add(usage)
+
+    async def flush_spool(self) -> int:
+        """Send spooled usage records (idempotent by request id); how many were sent."""
+        if self.spool is None or not self.spool.pending():
+            return 0
+        records, size = self.spool.take()
+        for start in range(0, len(records), FLUSH_BATCH):
+            batch = [record_call(r) for r in records[start : start + FLUSH_BATCH]]
+            await self.scripts.execute(self.store, batch)
+        self.spool.done(size)
+        log.info("flushed %d spooled usage records", len(records))
+        return len(records)
 
     async def _outliving(
         self, work: asyncio.Future[T], undo: Callable[[T], Coroutine[Any, Any, None]]
@@ -388,13 +423,6 @@ class Admission:
             if left <= 0:
                 return
             await asyncio.wait(pending, timeout=left)
-
-
-def _released(released: asyncio.Future[None], sent: asyncio.Future[list[Any]]) -> None:
-    if not sent.cancelled() and (exc := sent.exception()) is not None:
-        log.warning("release of a lease failed (%s); it expires by its TTL", type(exc).__name__)
-    if not released.done():
-        released.set_result(None)
 
 
 class LocalShares:

@@ -56,6 +56,7 @@ class Keeper:
             try:
                 await self.sweep_once()
                 self.store_ok = True
+                await self.admission.flush_spool()
             except STORE_ERRORS as exc:
                 if self.store_ok:
                     log.warning("admission store unreachable: %s", type(exc).__name__)

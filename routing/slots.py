@@ -30,7 +30,7 @@ def _lua(name: str) -> str:
 Call = tuple[str, Sequence[str], Sequence[Any]]
 
 _PRELUDED = ("acquire", "release", "cancel", "sweep")
-_PLAIN = ("refresh", "account", "heartbeat")
+_PLAIN = ("refresh", "account", "heartbeat", "usage")
 
 
 class Scripts:

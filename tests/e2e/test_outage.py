@@ -22,15 +22,20 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="ne
 class RedisServer:
     """A private redis-server on a loopback port, to be stopped and started by the test."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *, persistent: bool = False) -> None:
         self.port = procs.free_port()
-        self.tmp = tmp
+        self.tmp = tmp / f"redis-{self.port}"
+        self.tmp.mkdir()
+        # Persistent: an append-only file synced on every write, like a production Redis
+        # that survives a restart.
+        self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else [
+            "--appendonly", "no"]  # fmt: skip
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.popen = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.tmp)],
+             *self.persistence, "--dir", str(self.tmp)],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 10

@@ -1,0 +1,90 @@
+"""The usage record of one admitted request, from what the edge saw of it (SPEC 7)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.forward import Exchange
+from routing.admission import Admitted
+from tiers.policy import TiersConfig
+from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, UsageRecord, cost_usd, cut
+
+
+def usage_record(
+    exchange: Exchange,
+    admitted: Admitted,
+    *,
+    account: str,
+    key_id: str,
+    requested_model: str,
+    requested_tier: str,
+    user: str | None,
+    source: str | None,
+    payload: dict[str, Any],
+    tiers: TiersConfig,
+) -> UsageRecord:
+    usage = exchange.usage
+    if usage.reported:
+        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
+    else:
+        prompt, completion, estimated = _estimate_prompt(payload), usage.streamed, True
+    model = admitted.candidate.model
+    price = model.config.price
+    now = time.perf_counter()
+    return UsageRecord(
+        request_id=exchange.rid,
+        ts=datetime.now(UTC).isoformat(timespec="milliseconds"),
+        account=account,
+        key_id=key_id,
+        user=cut(user, MAX_USER),
+        source=cut(source, MAX_SOURCE),
+        requested_model=requested_model,
+        served_model=model.name,
+        fallback_index=admitted.candidate.index,
+        requested_tier=requested_tier,
+        tier=admitted.tier.value,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        estimated=estimated,
+        status=exchange.status,
+        outcome=_outcome(exchange.status),
+        duration_ms=round((now - exchange.started) * 1000, 3),
+        queue_ms=round(admitted.lease.queued_ms, 3),
+        ttft_ms=None
+        if exchange.first_byte is None
+        else round((exchange.first_byte - exchange.started) * 1000, 3),
+        cost_usd=cost_usd(
+            prompt,
+            completion,
+            price.input_per_mtok,
+            price.output_per_mtok,
+            tiers.policy(admitted.tier).price_multiplier,
+        ),
+    )
+
+
+def _outcome(status: int) -> Outcome:
+    if status == 200:
+        return "complete"
+    if status == 499:
+        return "cancelled"
+    return "error"
+
+
+def _estimate_prompt(payload: dict[str, Any]) -> int:
+    """Prompt tokens when the worker never said: token ids counted, text at ~4 chars each."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // 4)
+    chars = 0
+    for message in payload.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    return max(1, chars // 4)

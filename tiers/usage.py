@@ -1,0 +1,94 @@
+"""Usage records: what one admitted request used, at which tier and model, and its price.
+
+One record per admitted request, whatever the outcome (SPEC 7). Fields are flat, so a record
+is one Redis stream entry and one JSONL/CSV row. Prices are USD per million tokens times the
+applied tier's multiplier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+Outcome = Literal["complete", "cancelled", "error"]
+
+# Free text from callers is cut, so a record stays small and a label stays a label.
+MAX_SOURCE = 64
+MAX_USER = 256
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    request_id: str
+    ts: str  # ISO 8601, UTC, when the request ended
+    account: str
+    key_id: str  # the key digest's first 12 hex digits, never the key
+    user: str | None
+    source: str | None
+    requested_model: str
+    served_model: str
+    fallback_index: int
+    requested_tier: str
+    tier: str  # applied
+    prompt_tokens: int
+    completion_tokens: int
+    estimated: bool  # the worker sent no usage: the gateway counted
+    status: int
+    outcome: Outcome
+    duration_ms: float
+    queue_ms: float
+    ttft_ms: float | None
+    cost_usd: float
+
+    def to_fields(self) -> dict[str, str]:
+        """The record as a Redis stream entry: every value a string, None as ""."""
+        return {k: _text(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, raw: dict[str, str]) -> UsageRecord:
+        return cls(**{f.name: _typed(f.name, raw.get(f.name, "")) for f in fields(cls)})
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cost_usd(
+    prompt_tokens: int,
+    completion_tokens: int,
+    input_per_mtok: float,
+    output_per_mtok: float,
+    multiplier: float,
+) -> float:
+    base = prompt_tokens * input_per_mtok + completion_tokens * output_per_mtok
+    return round(base / 1_000_000 * multiplier, 9)
+
+
+def cut(text: str | None, limit: int) -> str | None:
+    if text is None:
+        return None
+    return text[:limit]
+
+
+_INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status"}
+_FLOATS = {"duration_ms", "queue_ms", "ttft_ms", "cost_usd"}
+_OPTIONAL = {"user", "source", "ttft_ms"}
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _typed(name: str, raw: str) -> Any:
+    if raw == "" and name in _OPTIONAL:
+        return None
+    if name in _INTS:
+        return int(raw or 0)
+    if name in _FLOATS:
+        return float(raw or 0)
+    if name == "estimated":
+        return raw == "1"
+    return raw
