@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import fields
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
 
 import orjson
@@ -17,6 +17,7 @@ from tiers.usage import UsageRecord
 
 GROUPS = {"account": "account", "tier": "tier", "model": "served_model", "source": "source"}
 BATCH = 1000
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def since_id(since: str | None) -> str:
@@ -26,7 +27,8 @@ def since_id(since: str | None) -> str:
     moment = datetime.fromisoformat(since)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return f"{int(moment.timestamp() * 1000)}-0"
+    # Exact integer milliseconds (a float product would round 1.001 s down to 1000 ms).
+    return f"{(moment - _EPOCH) // timedelta(milliseconds=1)}-0"
 
 
 async def records(redis: aioredis.Redis, since: str | None) -> AsyncIterator[UsageRecord]:

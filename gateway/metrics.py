@@ -62,5 +62,14 @@ class Metrics:
             ["model", "endpoint"], registry=r,
         )  # fmt: skip
 
+        # Not in SPEC 8: the billing safety net. Records waiting on disk for Redis, and those
+        # lost because the spool was full or unwritable (each also logged).
+        self.usage_spooled = Gauge(
+            "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.", registry=r
+        )
+        self.usage_lost = Gauge(
+            "gateway_usage_records_lost", "Usage records this process could not keep.", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

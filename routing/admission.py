@@ -240,6 +240,20 @@ class Admission:
         message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
         return RateLimited(message, code="model_busy", retry_after_s=retry)
 
+    def apply(self, registry: Registry, tiers: TiersConfig) -> None:
+        """A new config: new models get slots, known ones new ceilings and queue bounds.
+        Models that left keep their slots (their requests in flight still release)."""
+        self._tiers = tiers
+        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+        for model in registry:
+            slots = self.slots.get(model.name)
+            if slots is None:
+                self.slots[model.name] = _slots(model, tiers, self.ttl_ms)
+                self.local.capacity[model.name] = model.capacity
+                self.local.inflight.setdefault(model.name, 0)
+            else:
+                slots.configure(utilization, model.config.max_queue)
+
     def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
         self.slots[model].set_endpoints(endpoints)
@@ -275,6 +289,8 @@ class Admission:
         calls leave at once, whatever happens to the caller afterwards; awaiting the
         result (never an error) is optional. A record Redis did not take is spooled."""
         self.held.pop(lease.id, None)
+        if usage is not None:
+            usage = {**usage, "attempt": lease.id}  # unique per admission, unlike request ids
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if lease.local:
             self.local.release(lease.model)
@@ -431,20 +447,20 @@ class LocalShares:
     def __init__(self, registry: Registry, tiers: TiersConfig) -> None:
         self.capacity = {m.name: m.capacity for m in registry}
         self._tiers = tiers
-        self._inflight: dict[str, int] = dict.fromkeys(self.capacity, 0)
+        self.inflight: dict[str, int] = dict.fromkeys(self.capacity, 0)
 
     def take(self, model: str, tier: Tier, replicas: int) -> bool:
         if self.capacity[model] == 0:
             return False
         share = self.capacity[model] / max(1, replicas)
         ceiling = share * self._tiers.policy(tier).max_utilization
-        if self._inflight[model] >= max(1.0, math.floor(ceiling)):
+        if self.inflight[model] >= max(1.0, math.floor(ceiling)):
             return False
-        self._inflight[model] += 1
+        self.inflight[model] += 1
         return True
 
     def release(self, model: str) -> None:
-        self._inflight[model] -= 1
+        self.inflight[model] -= 1
 
 
 def _slots(model: Model, tiers: TiersConfig, ttl_ms: int) -> ModelSlots:

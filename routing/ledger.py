@@ -39,10 +39,15 @@ class UsageSettings(BaseModel):
 
 
 def record_call(fields: Mapping[str, str]) -> Call:
+    """The script call appending `fields` once. Its identity is the request id, plus the
+    admission attempt when known: callers may reuse an x-request-id, and two requests are
+    still two records."""
     flat: list[str] = []
     for key, value in fields.items():
         flat += [key, value]
     dedupe = "{usage}:rid:" + fields["request_id"]
+    if fields.get("attempt"):
+        dedupe += ":" + fields["attempt"]
     return ("usage", [USAGE_STREAM, dedupe], [REMEMBER_S, *flat])
 
 

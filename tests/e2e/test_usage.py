@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,10 @@ from tests.e2e.conftest import digest
 from tests.e2e.test_outage import RedisServer
 
 KEY = "sk-usage"
+# Request ids are remembered by Redis for a week against duplicates: each run uses its own.
+RUN = uuid.uuid4().hex[:8]
+ID = {name: f"bill-{RUN}-{name}" for name in
+      ("chat", "priority", "flex", "stream", "held", "rejected", "fallback", "broken")}  # fmt: skip
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PRICE = {"cheap": (0.5, 1.0), "busy": (2.0, 4.0), "broken": (1.0, 1.0), "slow": (1.0, 2.0)}
 MULTIPLIER = {"priority": 1.5, "default": 1.0, "flex": 0.5}
@@ -117,7 +122,7 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
     def rid(name: str) -> dict[str, str]:
-        return {"x-request-id": f"bill-{name}", "x-deepinfra-source": "e2e-" + "s" * 100}
+        return {"x-request-id": ID[name], "x-deepinfra-source": "e2e-" + "s" * 100}
 
     answers: dict[str, tuple[str, str, int, int]] = {}  # rid -> model, tier, prompt, completion
     chat = client.chat.completions.with_raw_response.create(
@@ -125,7 +130,7 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
         user="u" * 300,
     ).parse()  # fmt: skip
     assert chat.usage is not None
-    answers["bill-chat"] = (
+    answers[ID["chat"]] = (
         "cheap",
         "default",
         chat.usage.prompt_tokens,
@@ -137,7 +142,7 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
             extra_headers=rid(tier),
         )  # fmt: skip
         assert out.usage is not None
-        answers[f"bill-{tier}"] = (
+        answers[ID[tier]] = (
             "cheap",
             tier,
             out.usage.prompt_tokens,
@@ -148,7 +153,7 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
         stream_options={"include_usage": False},
     )  # fmt: skip
     assert [c for c in stream if c.usage is not None] == []  # hidden from the caller...
-    answers["bill-stream"] = ("cheap", "default", 1, 8)  # ...but billed from the worker's
+    answers[ID["stream"]] = ("cheap", "default", 1, 8)  # ...but billed from the worker's
 
     # Hold busy's only slot: a fail-fast request is rejected (no record), a fallback is served.
     held = client.completions.create(
@@ -163,18 +168,18 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
         extra_headers=rid("fallback"),
     )  # fmt: skip
     assert fallback.model == "cheap" and fallback.usage is not None
-    answers["bill-fallback"] = ("cheap", "default", 1, 2)
+    answers[ID["fallback"]] = ("cheap", "default", 1, 2)
     held.close()  # a client that goes away mid-stream: cancelled, billed for what it got
 
     with pytest.raises(openai.APIStatusError) as failed:
         client.completions.create(model="broken", prompt="x", extra_headers=rid("broken"))
     assert failed.value.status_code == 502
 
-    rids = {*answers, "bill-held", "bill-broken", "bill-rejected"}
-    wait_for(lambda: len(records_for(billing.config, {"bill-held"})["bill-held"]) == 1,
+    rids = {*answers, ID["held"], ID["broken"], ID["rejected"]}
+    wait_for(lambda: len(records_for(billing.config, {ID["held"]})[ID["held"]]) == 1,
              "the cancelled stream's record")  # fmt: skip
     found = records_for(billing.config, rids)
-    assert found.pop("bill-rejected") == []
+    assert found.pop(ID["rejected"]) == []
     assert {r: len(v) for r, v in found.items()} == dict.fromkeys(found, 1)
 
     for request_id, (model, tier, prompt, completion) in answers.items():
@@ -185,14 +190,14 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
         assert record["outcome"] == "complete" and record["status"] == 200
         assert record["account"] == "billing" and record["key_id"] == digest(KEY)[:12]
         assert record["source"] == ("e2e-" + "s" * 100)[:64]
-    assert found["bill-chat"][0]["user"] == "u" * 256
-    assert found["bill-fallback"][0]["requested_model"] == "busy"
-    assert found["bill-fallback"][0]["fallback_index"] == 1
-    assert found["bill-priority"][0]["requested_tier"] == "priority"
-    held_record = found["bill-held"][0]
+    assert found[ID["chat"]][0]["user"] == "u" * 256
+    assert found[ID["fallback"]][0]["requested_model"] == "busy"
+    assert found[ID["fallback"]][0]["fallback_index"] == 1
+    assert found[ID["priority"]][0]["requested_tier"] == "priority"
+    held_record = found[ID["held"]][0]
     assert held_record["outcome"] == "cancelled" and held_record["served_model"] == "busy"
     assert held_record["completion_tokens"] >= 1 and held_record["estimated"] is True
-    broken_record = found["bill-broken"][0]
+    broken_record = found[ID["broken"]][0]
     assert broken_record["outcome"] == "error" and broken_record["status"] == 502
 
     # The metrics agree with what was sent.
@@ -201,7 +206,7 @@ def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billin
         == 1
     )
     assert metric(url, 'gateway_fallbacks_total{from_model="busy",to_model="cheap"}') == 1
-    chat_tokens = answers["bill-chat"][3] + answers["bill-stream"][3] + answers["bill-fallback"][3]
+    chat_tokens = answers[ID["chat"]][3] + answers[ID["stream"]][3] + answers[ID["fallback"]][3]
     assert (
         metric(url, 'gateway_tokens_total{kind="completion",model="cheap",tier="default"}')
         == chat_tokens
@@ -249,7 +254,7 @@ def test_killing_redis_loses_no_usage_record(billing: Billing) -> None:
                 server.kill()
             if i == 30:
                 server.start()
-            rid = f"outage-{i}"
+            rid = f"outage-{RUN}-{i}"
             headers = {**AUTH, "x-request-id": rid}
             r = httpx.post(gateway.url + "/v1/completions", headers=headers, timeout=30,
                            json={"model": "cheap", "prompt": "x", "max_tokens": 2})  # fmt: skip
