@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.listen.host
     port = args.port or config.listen.port
     log.info("serving %d models on %s:%d", len(config.models), host, port)
-    state = GatewayState(config)
+    state = GatewayState(config, config_path=args.config)
 
     def drain() -> None:
         state.draining = True

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import redis.asyncio as aioredis
 
 from gateway.auth import KeyStore
 from gateway.metrics import Metrics
+from gateway.reload import ConfigWatcher
 from gateway.settings import GatewayConfig
 from routing.admission import Admission
 from routing.endpoints import Pools
@@ -15,6 +18,8 @@ from routing.ledger import UsageSpool
 from routing.registry import Registry
 from routing.store import connect, script_store, subscriber
 from routing.upstream import Upstream
+
+log = logging.getLogger("gateway")
 
 
 class GatewayState:
@@ -27,8 +32,10 @@ class GatewayState:
         redis: aioredis.Redis | None = None,
         upstream: Upstream | None = None,
         sweep_interval_s: float = 1.0,
+        config_path: str | None = None,
     ) -> None:
         self.config = config
+        self.config_path = config_path
         self.registry = Registry(config.models)
         self.pools = Pools(self.registry)
         self.redis = redis if redis is not None else connect(config.redis.url)
@@ -52,6 +59,7 @@ class GatewayState:
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
         # flight finish.
         self.draining = False
+        self._watcher: ConfigWatcher | None = None
 
     def _health_changed(self, urls: set[str]) -> None:
         """Endpoints went in or out of rotation: capacities, scripts and gauges follow."""
@@ -83,8 +91,42 @@ class GatewayState:
         await self.admission.start()
         await self.keeper.start()
         await self.health.start()
+        if self.config_path is not None:
+            self._watcher = ConfigWatcher(self.config_path, self.apply)
+            await self._watcher.start()
+
+    async def apply(self, config: GatewayConfig) -> None:
+        """A changed config, applied without a restart and without failing requests in
+        flight: models, endpoints, capacities, tiers, health settings and keys. Settings
+        of connections made at start (listen, redis, upstream, usage spool) need a
+        restart; a change to them is logged and the running values stay."""
+        kept = {"listen", "redis", "upstream", "usage"}
+        changed = sorted(k for k in kept if getattr(config, k) != getattr(self.config, k))
+        if changed:
+            log.warning("config reload: %s change only on restart", ", ".join(changed))
+        config = config.model_copy(update={k: getattr(self.config, k) for k in kept})
+        old_names = set(self.registry.names())
+        self.config = config
+        self.registry = Registry(config.models)
+        self.pools.apply(self.registry)
+        self.keys = KeyStore(config.keys, self.redis)
+        self.admission.apply(self.registry, config.tiers)
+        previous = self.health
+        self.health = Health(self.registry, config.health, self._health_changed)
+        self.health.adopt(previous)
+        await previous.close()
+        await self.health.start()
+        for gone in old_names - set(self.registry.names()):
+            self.admission.set_endpoints(gone, [])
+            self.metrics.capacity.labels(gone).set(0)
+        self._health_changed(set(self.health.endpoints))
+        if set(self.registry.names()) != old_names:
+            self.keeper.resubscribe()
+        log.info("config reloaded: %d models", len(config.models))
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
@@ -98,6 +140,10 @@ class GatewayState:
     def render_metrics(self) -> bytes:
         """Prometheus text; the fleet-wide gauges come from the keeper's last sweep."""
         m = self.metrics
+        spool = self.admission.spool
+        if spool is not None:
+            m.usage_spooled.set(spool.path.stat().st_size if spool.pending() else 0)
+            m.usage_lost.set(spool.lost)
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

@@ -43,10 +43,15 @@ class Pool:
 
 
 class Pools:
-    """Model name -> Pool, built from the registry once."""
+    """Model name -> Pool."""
 
     def __init__(self, models: Iterable[Model]) -> None:
         self._pools = {m.name: Pool(m) for m in models}
 
     def for_model(self, name: str) -> Pool:
         return self._pools[name]
+
+    def apply(self, models: Iterable[Model]) -> None:
+        """A new config: pools rebuilt. Models that left keep theirs, since requests in
+        flight may still look their endpoints up."""
+        self._pools.update({m.name: Pool(m) for m in models})

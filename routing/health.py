@@ -82,6 +82,14 @@ class Health:
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
 
+    def adopt(self, previous: Health) -> None:
+        """A config reload: endpoints this one shares with `previous` keep their state."""
+        for url, known in previous.endpoints.items():
+            mine = self.endpoints.get(url)
+            if mine is not None:
+                known.size, known.scrape = mine.size, mine.scrape
+                self.endpoints[url] = known
+
     def is_up(self, url: str) -> bool:
         return self.endpoints[url].up
 

@@ -46,6 +46,12 @@ class Keeper:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._listen()), loop.create_task(self._sweeping())]
 
+    def resubscribe(self) -> None:
+        """The set of models changed: listen on every model's channel from now on."""
+        if self._tasks:
+            self._tasks[0].cancel()
+            self._tasks[0] = asyncio.get_running_loop().create_task(self._listen())
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()

@@ -187,10 +187,16 @@ class ModelSlots:
             tag + k for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp")
         ]
         self.channel = tag + "wake"
-        self.max_queue = max_queue
         self._ttl = ttl_ms
-        self._utilization = [utilization[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        self.configure(utilization, max_queue)
         self.set_endpoints([])
+
+    def configure(self, utilization: dict[Tier, float], max_queue: int) -> None:
+        """Tier ceilings and queue bound (set again by a config reload)."""
+        self.max_queue = max_queue
+        self._utilization = [utilization[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        if hasattr(self, "_spec"):
+            self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
     def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints in rotation: (url, max_concurrency, load penalty)."""
