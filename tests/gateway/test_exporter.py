@@ -7,7 +7,6 @@ import asyncio
 import csv
 import io
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -18,6 +17,7 @@ import redis.asyncio as aioredis
 from gateway import exporter
 from gateway.exporter import RECORD_COLUMNS, TOTAL_COLUMNS, export, records, since_id, summarize
 from routing.ledger import USAGE_STREAM
+from tests.factories import usage_record
 from tiers.usage import UsageRecord
 
 BOUND_S = 5.0
@@ -29,29 +29,7 @@ async def bounded(awaitable: Awaitable[T]) -> T:
 
 
 def record(rid: str = "req-1", **changes: Any) -> UsageRecord:
-    made = UsageRecord(
-        request_id=rid,
-        ts="2024-01-02T03:04:05.678+00:00",
-        account="t-acme",
-        key_id="0123456789ab",
-        user=None,
-        source="batch",
-        requested_model="big",
-        served_model="big",
-        fallback_index=0,
-        requested_tier="default",
-        tier="default",
-        prompt_tokens=100,
-        completion_tokens=10,
-        estimated=False,
-        status=200,
-        outcome="complete",
-        duration_ms=12.5,
-        queue_ms=0.25,
-        ttft_ms=3.0,
-        cost_usd=0.0001,
-    )
-    return replace(made, **changes)
+    return usage_record(request_id=rid, **changes)
 
 
 async def _forget_usage(client: aioredis.Redis) -> None:

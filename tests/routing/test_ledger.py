@@ -19,8 +19,8 @@ from routing.ledger import REMEMBER_S, USAGE_STREAM, UsageSettings, UsageSpool, 
 from routing.plan import plan_candidates
 from routing.registry import Registry
 from routing.slots import Scripts
+from tests.factories import usage_record
 from tiers.policy import Tier
-from tiers.usage import UsageRecord
 
 CONFIG = """
 models:
@@ -40,28 +40,10 @@ async def bounded(awaitable: Awaitable[T]) -> T:
 
 
 def usage_fields(rid: str = RID_PREFIX + "1", **changes: Any) -> dict[str, str]:
-    made = UsageRecord(
-        request_id=rid,
-        ts="2024-01-02T03:04:05.678+00:00",
-        account="t-ledger",
-        key_id="0123456789ab",
-        user=None,
-        source="batch",
-        requested_model="m",
-        served_model="m",
-        fallback_index=0,
-        requested_tier="default",
-        tier="default",
-        prompt_tokens=10,
-        completion_tokens=5,
-        estimated=False,
-        status=200,
-        outcome="complete",
-        duration_ms=12.5,
-        queue_ms=0.0,
-        ttft_ms=3.25,
-        cost_usd=0.000001,
-    )
+    made = usage_record(
+        request_id=rid, account="t-ledger", requested_model="m", served_model="m",
+        prompt_tokens=10, completion_tokens=5, queue_ms=0.0, ttft_ms=3.25, cost_usd=0.000001,
+    )  # fmt: skip
     return {**made.to_fields(), **changes}
 
 

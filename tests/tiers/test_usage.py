@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests.factories import usage_record
 from tiers.usage import MAX_SOURCE, MAX_USER, UsageRecord, cost_usd, cut
 
 # SPEC 7, in the order it lists them.
@@ -19,28 +20,11 @@ SPEC_FIELDS = [
 
 
 def record(**changes: Any) -> UsageRecord:
-    made = UsageRecord(
-        request_id="req-1",
-        ts="2024-01-02T03:04:05.678+00:00",
-        account="t-acme",
-        key_id="0123456789ab",
-        user="alice@example.com",
-        source="nightly-batch",
-        requested_model="big",
-        served_model="small",
-        fallback_index=1,
-        requested_tier="priority",
-        tier="default",
-        prompt_tokens=1234,
-        completion_tokens=56,
-        estimated=False,
-        status=200,
-        outcome="complete",
-        duration_ms=812.125,
-        queue_ms=3.5,
-        ttft_ms=41.25,
-        cost_usd=0.000834,
-    )
+    made = usage_record(
+        user="alice@example.com", source="nightly-batch", served_model="small",
+        fallback_index=1, requested_tier="priority", prompt_tokens=1234, completion_tokens=56,
+        duration_ms=812.125, queue_ms=3.5, ttft_ms=41.25, cost_usd=0.000834,
+    )  # fmt: skip
     return replace(made, **changes)
 
 
