@@ -121,10 +121,8 @@ class Admission:
         account_limit: int,
         affinity: Callable[[Model], Sequence[str] | None] | None = None,
     ) -> Admitted:
-        lease_id = f"{self.replica_id}-{next(self._ids)}"
-        akey = account_key(account)
+        walk = _Walk(f"{self.replica_id}-{next(self._ids)}", account, account_limit, affinity)
         started = self._clock()
-        held_account = False
         try:
             last: GatewayError | None = None
             for cand in candidates:
@@ -132,49 +130,46 @@ class Admission:
                 if self.slots[cand.model.name].capacity == 0:
                     last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
                     continue
-                call = self._attempt_call(cand, tier, lease_id, affinity)
-                if not held_account:
-                    account_call = ("account", [akey], [lease_id, account_limit, self.ttl_ms])
-                    replies = await self._outliving(
-                        self.scripts.submit(self.store, [account_call, call]),
-                        partial(self._undo_replies, cand.model.name, lease_id, akey),
-                    )
-                    held_account = int(replies[0]) == 1
-                    result = attempt(replies[1])
-                    if not held_account:
-                        await asyncio.shield(
-                            self._spawn(self._undo(cand.model.name, lease_id, result))
-                        )
-                        raise RateLimited(
-                            f"Account {account[:64]!r} has {account_limit} requests in flight.",
-                            code="concurrency_limit",
-                            retry_after_s=1,
-                        )
-                else:
-                    result = attempt(
-                        (
-                            await self._outliving(
-                                self.scripts.submit(self.store, [call]),
-                                partial(self._undo_replies, cand.model.name, lease_id, None),
-                            )
-                        )[0]
-                    )
-                endpoint = await self._settle(cand, tier, lease_id, result)
+                result = await self._try(walk, cand, tier)
+                endpoint = await self._settle(cand, tier, walk.lease_id, result)
                 if endpoint is not None:
                     queued = (self._clock() - started) * 1000
-                    lease = Lease(lease_id, cand.model.name, endpoint, akey, queued)
-                    self.held[lease_id] = lease
-                    held_account = False  # the lease owns it now
+                    lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued)
+                    self.held[walk.lease_id] = lease
+                    walk.holds_account = False  # the lease owns it now
                     return Admitted(lease, cand, tier)
                 last = self._rejection(cand.model, tier, result)
             assert last is not None
             raise last
         except STORE_ERRORS as exc:
-            return self._outage(candidates, tier_of, lease_id, akey, exc)
+            return self._outage(candidates, tier_of, walk.lease_id, walk.akey, exc)
         finally:
-            self.waiters.pop(lease_id, None)
-            if held_account:
-                self._spawn(self._forget_account(akey, lease_id))
+            self.waiters.pop(walk.lease_id, None)
+            if walk.holds_account:
+                self._spawn(self._forget_account(walk.akey, walk.lease_id))
+
+    async def _try(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
+        """One candidate's acquire; the first also takes the account's own slot, in the same
+        round trip (and the model's slot goes back if the account is at its limit)."""
+        model = cand.model.name
+        call = self._attempt_call(cand, tier, walk.lease_id, walk.affinity)
+        if walk.holds_account:
+            undo = partial(self._undo_replies, model, walk.lease_id, None)
+            replies = await self._outliving(self.scripts.submit(self.store, [call]), undo)
+            return attempt(replies[0])
+        account_call = ("account", [walk.akey], [walk.lease_id, walk.limit, self.ttl_ms])
+        undo = partial(self._undo_replies, model, walk.lease_id, walk.akey)
+        replies = await self._outliving(self.scripts.submit(self.store, [account_call, call]), undo)
+        walk.holds_account = int(replies[0]) == 1
+        result = attempt(replies[1])
+        if not walk.holds_account:
+            await asyncio.shield(self._spawn(self._undo(model, walk.lease_id, result)))
+            raise RateLimited(
+                f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
+                code="concurrency_limit",
+                retry_after_s=1,
+            )
+        return result
 
     def _attempt_call(
         self,
@@ -439,6 +434,21 @@ class Admission:
             if left <= 0:
                 return
             await asyncio.wait(pending, timeout=left)
+
+
+@dataclass(slots=True)
+class _Walk:
+    """One request's walk over its candidates."""
+
+    lease_id: str
+    account: str
+    limit: int
+    affinity: Callable[[Model], Sequence[str] | None] | None
+    holds_account: bool = False
+
+    @property
+    def akey(self) -> str:
+        return account_key(self.account)
 
 
 class LocalShares:
