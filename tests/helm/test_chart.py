@@ -43,6 +43,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
 RENDERS: dict[str, tuple[str, ...]] = {
     "default": (),
     "hpa": ("-f", str(VALUES_DIR / "hpa.yaml")),
+    "fixed": ("-f", str(VALUES_DIR / "fixed.yaml")),
     "redis": ("-f", str(VALUES_DIR / "redis.yaml")),
     "monitoring": ("-f", str(VALUES_DIR / "monitoring.yaml")),
     "local": ("-f", str(VALUES_DIR / "local.yaml")),
@@ -138,11 +139,18 @@ def test_default_render_kinds(rendered: dict[str, list[Manifest]]) -> None:
     assert kinds["Secret"] == 1  # the Redis URL
     assert kinds["PodDisruptionBudget"] == 1
     assert kinds["ServiceAccount"] == 1
-    for absent in ("HorizontalPodAutoscaler", "ServiceMonitor", "StatefulSet"):
+    assert kinds["HorizontalPodAutoscaler"] == 1  # autoscaling is on by default
+    for absent in ("ServiceMonitor", "StatefulSet"):
         assert kinds[absent] == 0, absent
-    assert one(rendered["default"], "Deployment")["spec"]["replicas"] == 2
+    assert "replicas" not in one(rendered["default"], "Deployment")["spec"]
     pdb = one(rendered["default"], "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_fixed_replicas_without_autoscaling(rendered: dict[str, list[Manifest]]) -> None:
+    kinds = Counter(doc["kind"] for doc in rendered["fixed"])
+    assert kinds["HorizontalPodAutoscaler"] == 0
+    assert one(rendered["fixed"], "Deployment")["spec"]["replicas"] == 2
 
 
 def test_hpa_owns_the_replica_count(rendered: dict[str, list[Manifest]]) -> None:
