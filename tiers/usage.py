@@ -42,7 +42,8 @@ class UsageRecord:
 
     def to_fields(self) -> dict[str, str]:
         """The record as a Redis stream entry: every value a string, None as ""."""
-        return {k: _text(v) for k, v in asdict(self).items()}
+        # Not dataclasses.asdict: its deep copy costs more than the rest (hot path).
+        return {name: _text(getattr(self, name)) for name in _NAMES}
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> UsageRecord:
@@ -69,6 +70,7 @@ def cut(text: str | None, limit: int) -> str | None:
     return text[:limit]
 
 
+_NAMES = tuple(f.name for f in fields(UsageRecord))
 _INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status"}
 _FLOATS = {"duration_ms", "queue_ms", "ttft_ms", "cost_usd"}
 _OPTIONAL = {"user", "source", "ttft_ms"}
