@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -121,18 +122,21 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    from gateway.auth import create_key
+    from gateway.auth import KEY_PREFIX, create_key
     from routing.store import connect
 
     config = load_config(args.config)
     if config.redis.url.startswith("memory://"):
+        # The store lives inside one gateway process: the key goes into the config instead.
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        print(key)
         print(
-            "gateway keys create: this config's store is memory:// (inside one gateway process), "
-            "so a key cannot be stored from outside it. Add a digest under `keys:` instead; "
-            "`gateway keys digest` is not needed: sha256 of the key is the digest.",
+            "# memory:// keeps no keys from outside its process: add this to the config's keys:\n"
+            f"#   - {{sha256: {digest_key(key)}, account: {args.account}, "
+            f"max_concurrency: {args.max_concurrency}}}",
             file=sys.stderr,
         )
-        return 2
+        return 0
 
     async def create() -> str:
         redis = connect(config.redis.url)
