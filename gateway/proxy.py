@@ -114,9 +114,13 @@ class Proxy:
             exchange.status = 499
             raise
         finally:
-            record = self._record(parsed, admitted, exchange).to_fields()
-            # On its way with the usage record, in one round trip; nothing to wait for.
-            self._state.admission.release(admitted.lease, record)
+            record: dict[str, str] | None = None
+            try:
+                record = self._record(parsed, admitted, exchange).to_fields()
+            finally:
+                # The slot goes back even if the record could not be built (that error
+                # propagates and is logged); with the record, in one round trip.
+                self._state.admission.release(admitted.lease, record)
             self._observe(admitted, exchange)
 
     async def _admit(self, parsed: Parsed) -> Admitted:

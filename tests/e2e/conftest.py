@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
 from tests.conftest import REDIS_URL
@@ -79,6 +81,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     finally:
         for proc in started:
             proc.stop()
+
+
+Sdk = Callable[..., openai.OpenAI]
+
+
+@pytest.fixture
+def sdk() -> Iterator[Sdk]:
+    """Makes official openai SDK clients (no retries) and closes them after the test."""
+    made: list[openai.OpenAI] = []
+
+    def make(base_url: str, api_key: str = KEY, **options: Any) -> openai.OpenAI:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, **options)
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
 
 
 def keys_create(config: Path, *args: str) -> str:

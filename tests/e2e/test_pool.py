@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
-from tests.e2e.conftest import digest
+from tests.e2e.conftest import Sdk, digest
 
 KEY = "sk-pool"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -124,8 +124,8 @@ def test_worker_priority_passes_the_tier_on(pool: Pool) -> None:
     assert sent["priority"] == -1
 
 
-def test_a_dropped_stream_aborts_the_worker_and_frees_the_slot(pool: Pool) -> None:
-    client = openai.OpenAI(base_url=pool.gateway.url + "/v1", api_key=KEY, max_retries=0)
+def test_a_dropped_stream_aborts_the_worker_and_frees_the_slot(pool: Pool, sdk: Sdk) -> None:
+    client = sdk(pool.gateway.url + "/v1", KEY)
     aborted = 'vllm:request_success_total{finished_reason="abort",model_name="m1"}'
     before = metric(pool.a.url, aborted) or 0.0
     stream = client.completions.create(model="one", prompt="x", stream=True)
@@ -138,10 +138,10 @@ def test_a_dropped_stream_aborts_the_worker_and_frees_the_slot(pool: Pool) -> No
     wait_for(lambda: post(pool, model="one", fail_fast=True).status_code == 200, "the slot", 5)
 
 
-def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error(pool: Pool) -> None:
+def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error(pool: Pool, sdk: Sdk) -> None:
     httpx.post(pool.fragile.url + "/sim/fault", json={"fault": "die_mid_stream"})
     try:
-        client = openai.OpenAI(base_url=pool.gateway.url + "/v1", api_key=KEY, max_retries=0)
+        client = sdk(pool.gateway.url + "/v1", KEY)
         stream = client.completions.create(model="fragile", prompt="x", stream=True)
         received = []
         with pytest.raises(openai.APIError) as err:

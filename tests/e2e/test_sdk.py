@@ -6,12 +6,12 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import KEY, KEY_LIMITED, Fleet
+from tests.e2e.conftest import KEY_LIMITED, Fleet, Sdk
 
 
 @pytest.fixture
-def client(fleet: Fleet) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fleet.base_url, api_key=KEY, max_retries=0)
+def client(fleet: Fleet, sdk: Sdk) -> openai.OpenAI:
+    return sdk(fleet.base_url)
 
 
 def test_completion(client: openai.OpenAI) -> None:
@@ -70,23 +70,23 @@ def test_streamed_chat_alias_model(client: openai.OpenAI) -> None:
     assert {c.model for c in chunks} == {"m2"}
 
 
-def test_models_list_follows_the_key(fleet: Fleet) -> None:
-    full = openai.OpenAI(base_url=fleet.base_url, api_key=KEY).models.list()
+def test_models_list_follows_the_key(fleet: Fleet, sdk: Sdk) -> None:
+    full = sdk(fleet.base_url).models.list()
     assert {m.id for m in full.data} == {"m1", "m2", "slow", "misnamed"}
-    limited = openai.OpenAI(base_url=fleet.base_url, api_key=KEY_LIMITED).models.list()
+    limited = sdk(fleet.base_url, KEY_LIMITED).models.list()
     assert [m.id for m in limited.data] == ["m1"]
 
 
-def test_model_outside_allow_list_is_404(fleet: Fleet) -> None:
-    limited = openai.OpenAI(base_url=fleet.base_url, api_key=KEY_LIMITED, max_retries=0)
+def test_model_outside_allow_list_is_404(fleet: Fleet, sdk: Sdk) -> None:
+    limited = sdk(fleet.base_url, KEY_LIMITED)
     with pytest.raises(openai.NotFoundError) as err:
         limited.chat.completions.create(model="m2", messages=[{"role": "user", "content": "x"}])
     assert err.value.code == "model_not_found"
 
 
-def test_stream_is_relayed_not_buffered(fleet: Fleet) -> None:
+def test_stream_is_relayed_not_buffered(fleet: Fleet, sdk: Sdk) -> None:
     """The first chunk arrives while the worker is still generating (it has 30 tokens to go)."""
-    client = openai.OpenAI(base_url=fleet.base_url, api_key=KEY, max_retries=0)
+    client = sdk(fleet.base_url)
     stream = client.completions.create(model="slow", prompt="x", stream=True)
     first = next(iter(stream))
     assert first.choices[0].text
@@ -94,8 +94,8 @@ def test_stream_is_relayed_not_buffered(fleet: Fleet) -> None:
     stream.close()
 
 
-def test_dropped_stream_aborts_the_worker_request(fleet: Fleet) -> None:
-    client = openai.OpenAI(base_url=fleet.base_url, api_key=KEY, max_retries=0)
+def test_dropped_stream_aborts_the_worker_request(fleet: Fleet, sdk: Sdk) -> None:
+    client = sdk(fleet.base_url)
     before = _aborted(fleet)
     stream = client.completions.create(model="slow", prompt="x", stream=True)
     next(iter(stream))

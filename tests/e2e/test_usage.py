@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
-from tests.e2e.conftest import digest
+from tests.e2e.conftest import Sdk, digest
 from tests.e2e.test_outage import RedisServer
 
 KEY = "sk-usage"
@@ -117,9 +117,11 @@ def expected_cost(model: str, tier: str, prompt: int, completion: int) -> float:
     return round((prompt * inp + completion * out) / 1e6 * MULTIPLIER[tier], 9)
 
 
-def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(billing: Billing) -> None:
+def test_a_mixed_run_is_billed_exactly_once_per_admitted_request(
+    billing: Billing, sdk: Sdk
+) -> None:
     url = billing.gateway.url
-    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    client = sdk(url + "/v1", KEY)
 
     def rid(name: str) -> dict[str, str]:
         return {"x-request-id": ID[name], "x-deepinfra-source": "e2e-" + "s" * 100}
