@@ -99,10 +99,12 @@ class GatewayApp:
         return _json({"status": "ready"}, request)
 
     async def _metrics(self, request: Request) -> Response:
-        return Response(self.state.render_metrics(), media_type=CONTENT_TYPE)
+        rid = {"x-request-id": request_id(request.headers.get("x-request-id"))}
+        return Response(self.state.render_metrics(), headers=rid, media_type=CONTENT_TYPE)
 
     async def _openapi_json(self, request: Request) -> Response:
-        return Response(self._openapi, media_type="application/json")
+        rid = {"x-request-id": request_id(request.headers.get("x-request-id"))}
+        return Response(self._openapi, headers=rid, media_type="application/json")
 
     async def _method_not_allowed(self, request: Request) -> Response:
         raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")

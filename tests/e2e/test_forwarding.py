@@ -113,6 +113,14 @@ def test_worker_404_is_a_502_envelope(http: httpx.Client) -> None:
     assert resp.json()["error"]["type"] == "api_error"
 
 
+@pytest.mark.parametrize(
+    "path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/models", "/nope"]
+)
+def test_every_response_has_a_request_id(http: httpx.Client, path: str) -> None:
+    assert len(http.get(path).headers["x-request-id"]) == 32
+    assert http.get(path, headers={"x-request-id": "mine-1"}).headers["x-request-id"] == "mine-1"
+
+
 def test_operator_routes(http: httpx.Client) -> None:
     assert http.get("/healthz").status_code == 200
     ready = http.get("/readyz")
