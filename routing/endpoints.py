@@ -1,6 +1,7 @@
-"""Endpoint choice inside one model: the endpoint with the fewest requests in flight.
+"""A model's endpoints as this replica holds them, with its own in-flight counts.
 
-Counts are per replica for now (SPEC 6); ties rotate so equal endpoints share the load.
+Admission picks the endpoint of each lease from counts shared in Redis (routing/slots.py);
+these local counts and `Pool.pick` serve only while Redis is away (`on_outage: local`).
 """
 
 from __future__ import annotations

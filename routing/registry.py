@@ -1,8 +1,8 @@
 """The fleet as configured: models, their endpoints, tiers and prices.
 
-These are the config schema's model/endpoint sections (validated once at start) plus the
-lookups the request path needs. Capacity here is the configured one; health (issue 5) will
-take unhealthy endpoints out of it.
+These are the config schema's model/endpoint sections (validated at start and on reload)
+plus the lookups the request path needs. Capacity here is the configured one; admission
+counts only the endpoints health keeps in rotation (routing/health.py).
 """
 
 from __future__ import annotations
