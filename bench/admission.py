@@ -34,9 +34,11 @@ sys.path.insert(0, str(ROOT))
 
 from gateway.errors import RateLimited  # noqa: E402
 from gateway.settings import parse_config  # noqa: E402
+from routing import resp  # noqa: E402
 from routing.admission import Admission  # noqa: E402
 from routing.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
+from routing.resp import RespClient  # noqa: E402
 from tests.e2e import procs  # noqa: E402
 from tiers.policy import Tier  # noqa: E402
 
@@ -44,11 +46,13 @@ KEY = "sk-bench"
 
 
 class RoundTrips:
-    """Counts socket sends of redis-py connections: one per round trip (pipelines included)."""
+    """Counts socket writes to Redis: redis-py's sends, and the gateway's own client's
+    flushes (one per loop tick; requests run one at a time here, so one per round trip)."""
 
     def __init__(self) -> None:
         self.count = 0
         self._original = Connection.send_packed_command
+        self._flush = resp._Protocol._flush
 
     def __enter__(self) -> RoundTrips:
         counter = self
@@ -57,11 +61,17 @@ class RoundTrips:
             counter.count += 1
             await counter._original(conn, command, check_health)
 
+        def flushed(protocol: Any) -> None:
+            counter.count += 1
+            counter._flush(protocol)
+
         Connection.send_packed_command = counted  # type: ignore[method-assign]
+        resp._Protocol._flush = flushed  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         Connection.send_packed_command = self._original  # type: ignore[method-assign]
+        resp._Protocol._flush = self._flush  # type: ignore[method-assign]
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -95,7 +105,11 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     client = aioredis.Redis.from_url(redis_url)
     config = parse_config(config_text(redis_url), "bench.yaml")
     registry = Registry(config.models)
-    admission = Admission(client, registry, config.tiers, lease_ttl_s=30, on_outage="reject")
+    # The store the gateway itself uses for redis:// URLs (routing/resp.py).
+    admission = Admission(
+        client, registry, config.tiers, lease_ttl_s=30, on_outage="reject",
+        store=RespClient(redis_url),
+    )  # fmt: skip
     await admission.start()
     plan = plan_candidates("bench", None, fail_fast=True, registry=registry, allowed=None)
 
