@@ -142,7 +142,9 @@ class Keeper:
             except STORE_ERRORS as exc:
                 log.warning("wake-up subscription lost (%s); resubscribing", type(exc).__name__)
             finally:
-                await _close_quietly(pubsub)
+                # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_close_quietly(pubsub), 1.0)
             await asyncio.sleep(backoff)
             backoff = min(5.0, backoff * 2)
 
