@@ -57,7 +57,8 @@ class Parsed:
     account: Account
     payload: dict[str, Any]
     request: GatewayRequest
-    header_tier: str | None
+    # The tier asked for (body, else header), before model and key policy apply.
+    wanted: Tier
     source: str | None
 
 
@@ -89,9 +90,8 @@ class Proxy:
             state.metrics.requests.labels("", "", str(exc.status)).inc()
             await send_error(send, exc, rid)
             return
-        parsed = Parsed(
-            rid, started, account, payload, request, headers.service_tier, headers.source
-        )
+        wanted = requested_tier(request.service_tier, headers.service_tier)
+        parsed = Parsed(rid, started, account, payload, request, wanted, headers.source)
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
@@ -125,7 +125,7 @@ class Proxy:
 
     async def _admit(self, parsed: Parsed) -> Admitted:
         request, account = parsed.request, parsed.account
-        wanted = requested_tier(request.service_tier, parsed.header_tier)
+        wanted = parsed.wanted
         candidates = plan_candidates(
             request.model,
             request.models,
@@ -155,7 +155,7 @@ class Proxy:
             account=parsed.account.name,
             key_id=parsed.account.key_id,
             requested_model=(request.models or [request.model])[0],
-            requested_tier=requested_tier(request.service_tier, parsed.header_tier).value,
+            requested_tier=parsed.wanted.value,
             user=request.user,
             source=parsed.source,
             payload=parsed.payload,
@@ -169,7 +169,7 @@ class Proxy:
             names = parsed.request.models or [parsed.request.model]
             known = [n for n in names if self._state.registry.get(n) is not None]
             model = known[-1] if known else ""
-            tier = requested_tier(parsed.request.service_tier, parsed.header_tier).value
+            tier = parsed.wanted.value
             metrics.rejections.labels(model, tier, exc.code).inc()
         metrics.requests.labels(model, tier, str(exc.status)).inc()
 

@@ -27,3 +27,19 @@ async def _clear(client: aioredis.Redis) -> None:
     keys = [k async for k in client.scan_iter(match="gw:*", count=1000)]
     if keys:
         await client.delete(*keys)
+
+
+@pytest.fixture
+async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
+    """The real Redis with the stream `usage` and the tests' dedupe keys ("t-" request
+    ids) removed before and after."""
+    await _forget_usage(real_redis)
+    try:
+        yield real_redis
+    finally:
+        await _forget_usage(real_redis)
+
+
+async def _forget_usage(client: aioredis.Redis) -> None:
+    keys = [k async for k in client.scan_iter(match="{usage}:rid:t-*", count=1000)]
+    await client.delete("usage", *keys)

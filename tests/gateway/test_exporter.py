@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -30,20 +30,6 @@ async def bounded(awaitable: Awaitable[T]) -> T:
 
 def record(rid: str = "req-1", **changes: Any) -> UsageRecord:
     return usage_record(request_id=rid, **changes)
-
-
-async def _forget_usage(client: aioredis.Redis) -> None:
-    """Only the stream (these tests add no dedupe keys): other tests may share db 15."""
-    await client.delete(USAGE_STREAM)
-
-
-@pytest.fixture
-async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
-    await _forget_usage(real_redis)
-    try:
-        yield real_redis
-    finally:
-        await _forget_usage(real_redis)
 
 
 async def add(client: aioredis.Redis, *items: UsageRecord | tuple[str, UsageRecord]) -> None:

@@ -51,21 +51,6 @@ def spool_at(path: Path, max_bytes: int = 1024 * 1024) -> UsageSpool:
     return UsageSpool(UsageSettings(spool_path=str(path), spool_max_bytes=max_bytes))
 
 
-async def _forget_usage(client: aioredis.Redis) -> None:
-    """Only the stream and this module's dedupe keys: other tests may share db 15."""
-    keys = [k async for k in client.scan_iter(match="{usage}:rid:" + RID_PREFIX + "*")]
-    await client.delete(USAGE_STREAM, *keys)
-
-
-@pytest.fixture
-async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
-    await _forget_usage(real_redis)
-    try:
-        yield real_redis
-    finally:
-        await _forget_usage(real_redis)
-
-
 async def entries(client: aioredis.Redis) -> list[dict[str, str]]:
     raw = await client.xrange(USAGE_STREAM)
     return [{k.decode(): v.decode() for k, v in data.items()} for _, data in raw]
