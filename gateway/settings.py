@@ -42,6 +42,8 @@ class RedisConfig(BaseModel):
 
     url: str = Field("redis://127.0.0.1:6379/0", repr=False)
     lease_ttl_s: float = Field(30.0, ge=1.0, le=3600.0)
+    # No Redis call waits longer than this; past it the call fails as an outage (SPEC 4).
+    command_timeout_s: float = Field(2.0, gt=0.0, le=60.0)
     on_outage: Literal["reject", "local"] = "reject"
 
     @field_validator("url")
@@ -56,6 +58,8 @@ class LimitsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    # A worker's SSE event larger than this ends the stream with an SSE error event.
+    max_event_bytes: int = Field(1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
 
 
 class KeyConfig(BaseModel):

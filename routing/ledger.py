@@ -29,13 +29,13 @@ FLUSH_BATCH = 500
 class UsageSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    spool_path: str = Field(
-        default_factory=lambda: os.path.join(
-            os.environ.get("TMPDIR", "/tmp"),  # noqa: S108 - per-pod scratch (an emptyDir)
-            "gateway-usage-spool.jsonl",
-        )
+    # Where records wait while Redis is away: one file per process, in this directory.
+    spool_dir: str = Field(
+        default_factory=lambda: os.environ.get("TMPDIR", "/tmp")  # noqa: S108 - per-pod scratch
     )
     spool_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    # The stream `usage` keeps this long (XTRIM MINID); request-id dedupe keys as long.
+    retention_days: float = Field(35.0, gt=0.0, le=3650.0)
 
 
 def record_call(fields: Mapping[str, str]) -> Call:
@@ -55,7 +55,7 @@ class UsageSpool:
     """Records Redis did not take yet, one JSON object per line, bounded in size."""
 
     def __init__(self, settings: UsageSettings) -> None:
-        self.path = Path(settings.spool_path)
+        self.path = Path(settings.spool_dir) / "gateway-usage-spool.jsonl"
         self.max_bytes = settings.spool_max_bytes
         self.lost = 0  # records refused because the spool was full (logged each time)
 
@@ -69,6 +69,7 @@ class UsageSpool:
                     "usage spool full (%d bytes): record %s lost", size, fields.get("request_id")
                 )
                 return False
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("ab") as out:
                 out.write(line)
         except OSError as exc:

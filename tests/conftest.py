@@ -1,19 +1,45 @@
-"""Shared fixtures: the real Redis (REDIS_URL, default db 15) and small factories."""
+"""Shared fixtures: the run's own redis-server (started here, on a free port) and factories.
+
+The tests never touch a Redis they did not start: `pytest_configure` starts one for the
+whole run and `REDIS_URL` points at it (db 15, so the client's SELECT path is exercised too);
+fault tests start more (tests/redis_server.py).
+"""
 
 from __future__ import annotations
 
-import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+from tests.redis_server import RedisServer
+
+# Set by pytest_configure, before any test module is imported.
+REDIS_URL = ""
+_SERVER: RedisServer | None = None
+_SERVER_DIR: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global REDIS_URL, _SERVER, _SERVER_DIR
+    _SERVER_DIR = Path(tempfile.mkdtemp(prefix="gateway-tests-redis-"))
+    _SERVER = RedisServer(_SERVER_DIR).start()
+    REDIS_URL = f"redis://127.0.0.1:{_SERVER.port}/15"
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SERVER is not None:
+        _SERVER.stop()
+    if _SERVER_DIR is not None:
+        shutil.rmtree(_SERVER_DIR, ignore_errors=True)
 
 
 @pytest.fixture
 async def real_redis() -> AsyncIterator[aioredis.Redis]:
-    """The real Redis server, emptied of gateway keys before and after the test."""
+    """The run's Redis, emptied of gateway keys before and after the test."""
     client = aioredis.Redis.from_url(REDIS_URL)
     await _clear(client)
     try:
@@ -31,8 +57,8 @@ async def _clear(client: aioredis.Redis) -> None:
 
 @pytest.fixture
 async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
-    """The real Redis with the stream `usage` and the tests' dedupe keys ("t-" request
-    ids) removed before and after."""
+    """The run's Redis with the stream `usage` and the usage dedupe keys removed before and
+    after."""
     await _forget_usage(real_redis)
     try:
         yield real_redis
@@ -41,5 +67,5 @@ async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redi
 
 
 async def _forget_usage(client: aioredis.Redis) -> None:
-    keys = [k async for k in client.scan_iter(match="{usage}:rid:t-*", count=1000)]
+    keys = [k async for k in client.scan_iter(match="{usage}:rid:*", count=1000)]
     await client.delete("usage", *keys)

@@ -2,56 +2,17 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from tests.e2e import procs
 from tests.e2e.conftest import digest
+from tests.redis_server import RedisServer
 
 KEY = "sk-outage"
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-
-class RedisServer:
-    """A private redis-server on a loopback port, to be stopped and started by the test."""
-
-    def __init__(self, tmp: Path, *, persistent: bool = False) -> None:
-        self.port = procs.free_port()
-        self.tmp = tmp / f"redis-{self.port}"
-        self.tmp.mkdir()
-        # Persistent: an append-only file synced on every write, like a production Redis
-        # that survives a restart.
-        self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else [
-            "--appendonly", "no"]  # fmt: skip
-        self.popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.popen = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *self.persistence, "--dir", str(self.tmp)],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis.Redis(port=self.port, socket_connect_timeout=0.2).ping():
-                    return
-            except (OSError, redis.RedisError):
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        assert self.popen is not None
-        self.popen.kill()
-        self.popen.wait(timeout=10)
 
 
 def config(redis_port: int, sim: procs.Proc, on_outage: str) -> str:
@@ -80,8 +41,7 @@ def setup(
     finally:
         for proc in started:
             proc.stop()
-        if server.popen is not None and server.popen.poll() is None:
-            server.kill()
+        server.stop()
 
 
 def test_outage_and_recovery(setup: tuple[RedisServer, list[procs.Proc]]) -> None:

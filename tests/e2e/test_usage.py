@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest
-from tests.e2e.test_outage import RedisServer
+from tests.redis_server import RedisServer
 
 KEY = "sk-usage"
 # Request ids are remembered by Redis for a week against duplicates: each run uses its own.
@@ -53,7 +53,7 @@ def billing_config(good: procs.Proc, slow: procs.Proc, broken: procs.Proc, redis
 
     return (
         f'redis: {{url: "{redis_url}", lease_ttl_s: 5, on_outage: {on_outage}}}\n'
-        f'usage: {{spool_path: "{tmp}/spool-{procs.free_port()}.jsonl"}}\n'
+        f'usage: {{spool_dir: "{tmp}/spool-{procs.free_port()}"}}\n'
         "models:\n"
         + model("cheap", good, 8)
         + model("busy", slow, 1)
@@ -269,5 +269,4 @@ def test_killing_redis_loses_no_usage_record(billing: Billing) -> None:
     finally:
         for proc in started:
             proc.stop()
-        if server.popen is not None and server.popen.poll() is None:
-            server.kill()
+        server.stop()

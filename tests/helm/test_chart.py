@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from gateway.settings import parse_config
+from tests.conftest import REDIS_URL
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm"
@@ -38,7 +39,7 @@ DASHBOARD = CHART / "dashboards" / "gateway.json"
 RELEASE = "t"
 NAMESPACE = "gw-test"
 K8S_VERSION = "1.30"
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+
 # Each values combination is rendered once per module: the name -> `helm template` arguments.
 RENDERS: dict[str, tuple[str, ...]] = {
     "default": (),

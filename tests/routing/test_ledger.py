@@ -48,7 +48,9 @@ def usage_fields(rid: str = RID_PREFIX + "1", **changes: Any) -> dict[str, str]:
 
 
 def spool_at(path: Path, max_bytes: int = 1024 * 1024) -> UsageSpool:
-    return UsageSpool(UsageSettings(spool_path=str(path), spool_max_bytes=max_bytes))
+    spool = UsageSpool(UsageSettings(spool_dir=str(path.parent), spool_max_bytes=max_bytes))
+    spool.path = path
+    return spool
 
 
 async def entries(client: aioredis.Redis) -> list[dict[str, str]]:
@@ -208,7 +210,8 @@ def test_spool_has_room_again_after_done(tmp_path: Path) -> None:
 
 
 def test_unwritable_spool_counts_lost(tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "missing-dir" / "spool.jsonl")
+    (tmp_path / "a-file").write_text("")
+    spool = spool_at(tmp_path / "a-file" / "spool.jsonl")
     assert not spool.add(usage_fields())
     assert spool.lost == 1
     assert not spool.pending()

@@ -1,0 +1,143 @@
+"""A private redis-server for the tests: started on a free loopback port, never shared.
+
+Every test run starts its own (two runs on one machine never meet), and fault tests start
+more of them to kill, restart empty, or stall (SIGSTOP) at will. Nothing is kept on disk
+unless `persistent` asks for an append-only file, like a production Redis would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+STARTUP_DEADLINE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(
+            "the tests need redis-server (Debian: apt-get install redis-server); "
+            "they start their own on a free port"
+        )
+    return found
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1:<port>, with its files under `directory`."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        persistent: bool = False,
+        maxmemory: str | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.dir = directory / f"redis-{self.port}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.persistent = persistent
+        self.maxmemory = maxmemory
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log"),
+                "--appendonly", "yes" if self.persistent else "no"]  # fmt: skip
+        if self.persistent:
+            args += ["--appendfsync", "always"]
+        if self.maxmemory is not None:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        return args
+
+    def start(self) -> RedisServer:
+        self.popen = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL)
+        self.paused = False
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        # Another process's readiness has no event to wait on: poll, bounded in time.
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while time.monotonic() < deadline:
+            assert self.popen is not None
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.log_tail()}")
+            if self.ping():
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not start in {STARTUP_DEADLINE_S}s")
+
+    def ping(self, timeout_s: float = 0.5) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def log_tail(self) -> str:
+        log = self.dir / "redis.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """kill -9: whatever it held in memory is gone (and, without AOF, everything)."""
+        if self.popen is None:
+            return
+        if self.paused:
+            self.resume()
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=10)
+
+    def restart_empty(self) -> None:
+        """kill -9, then start again on the same port with nothing in it."""
+        self.kill()
+        if not self.persistent:
+            for leftover in self.dir.glob("*.rdb"):
+                leftover.unlink()
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections open and answers nothing."""
+        assert self.popen is not None
+        os.kill(self.popen.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.popen is not None
+        os.kill(self.popen.pid, signal.SIGCONT)
+        self.paused = False
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            if self.paused:
+                self.resume()
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=5)
