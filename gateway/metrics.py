@@ -6,8 +6,14 @@ sets (status codes, 429 reasons), never from request text, so cardinality stays 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from routing.background import TASKS
 
 # LLM requests last from milliseconds (a 429) to many minutes (a long stream).
 DURATION_BUCKETS = (
@@ -19,9 +25,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, background_errors: Mapping[str, int] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # Counted where the loops run (routing/background.py), read at scrape time.
+        r.register(_BackgroundErrors(background_errors if background_errors is not None else {}))
         self.requests = Counter(
             "gateway_requests", "Requests answered, by served model, applied tier and status.",
             ["model", "tier", "code"], registry=r,
@@ -73,3 +81,25 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _BackgroundErrors(Collector):
+    """`gateway_background_errors_total{task}`: rounds of a background task that failed."""
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "gateway_background_errors",
+            "Background rounds (sweep, spool, health, reload, ...) that failed and were retried.",
+            labels=["task"],
+        )
+        for task in TASKS:
+            family.add_metric([task], self._counts.get(task, 0))
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "gateway_background_errors", "Background rounds that failed.", labels=["task"]
+        )

@@ -11,6 +11,7 @@ from gateway.metrics import Metrics
 from gateway.reload import ConfigWatcher
 from gateway.settings import GatewayConfig
 from routing.admission import Admission
+from routing.background import BackgroundErrors
 from routing.endpoints import Pools
 from routing.health import Health
 from routing.keeper import Keeper
@@ -54,7 +55,8 @@ class GatewayState:
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
         self.health = Health(self.registry, config.health, self._health_changed)
-        self.metrics = Metrics()
+        self.background_errors = BackgroundErrors()
+        self.metrics = Metrics(self.background_errors.counts)
         self._health_changed({url for url in self.health.endpoints})
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
         # flight finish.
