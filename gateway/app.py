@@ -8,6 +8,7 @@ through a small Starlette app.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -90,12 +91,17 @@ class GatewayApp:
         return _json({"status": "ok"}, request)
 
     async def _readyz(self, request: Request) -> Response:
-        try:
-            await self.state.redis.ping()
-        except (RedisError, OSError):
-            return _json(
-                {"status": "unavailable", "reason": "store (redis) unreachable"}, request, 503
-            )
+        """SPEC 1: 503 with the reason while draining, while a model has no healthy
+        endpoint, or while Redis does not answer within the command timeout."""
+        reason = self.state.unready()
+        if reason is None:
+            try:
+                async with asyncio.timeout(self.state.config.redis.command_timeout_s):
+                    await self.state.redis.ping()
+            except (RedisError, OSError, TimeoutError):
+                reason = "store (redis) unreachable"
+        if reason is not None:
+            return _json({"status": "unavailable", "reason": reason}, request, 503)
         return _json({"status": "ready"}, request)
 
     async def _metrics(self, request: Request) -> Response:

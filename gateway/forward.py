@@ -90,9 +90,7 @@ class Hop:
         except UpstreamUnavailable:
             self._state.health.unreachable(self.endpoint.url)
             lease = self._admitted.lease
-            if lease.local or not await self._state.admission.reroute(
-                lease, self._admitted.tier, self.endpoint.url
-            ):
+            if lease.local or not await self._state.admission.reroute(lease, self.endpoint.url):
                 raise
             self._count_error(UpstreamUnavailable.__name__)
             self.endpoint = self._pool.by_url[lease.endpoint]

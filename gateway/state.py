@@ -43,6 +43,8 @@ class GatewayState:
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
         self.keys = KeyStore(config.keys, self.redis)
+        interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
+        timeout = config.redis.command_timeout_s
         self.admission = Admission(
             self.redis,
             self.registry,
@@ -51,11 +53,18 @@ class GatewayState:
             on_outage=config.redis.on_outage,
             store=script_store(config.redis.url, self.redis),
             spool=UsageSpool(config.usage),
+            sweep_interval_s=interval,
+            command_timeout_s=timeout,
         )
-        interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
-        self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
-        self.health = Health(self.registry, config.health, self._health_changed)
         self.background_errors = BackgroundErrors()
+        self.keeper = Keeper(
+            self.admission,
+            subscriber(config.redis.url, self.redis),
+            interval,
+            self.background_errors,
+            round_timeout_s=2 * timeout + 1,
+        )
+        self.health = Health(self.registry, config.health, self._health_changed)
         self.metrics = Metrics(self.background_errors.counts)
         self._health_changed({url for url in self.health.endpoints})
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in

@@ -2,9 +2,13 @@
 
 `Admission.admit` walks the request's candidates (routing.plan) and returns a `Lease` on one
 model's endpoint, or raises `RateLimited` with the last entry's reason. Every path out of a
-request calls `release` (shielded from cancellation). The Redis protocol lives in
-routing/slots.py and the Lua files; the background work (sweep, keep-alive, wake-ups) in
-routing/keeper.py.
+request calls `release`, whose calls leave at once whatever happens to the caller.
+
+Nothing a replica takes in Redis is ever left to chance: what it holds is remembered in
+`holdings` and written back by every sweep (Redis restarted empty); whatever a call took
+whose caller went away is given back when its reply arrives; and an id whose state is in
+doubt (a call that failed without an answer) is forgotten by the next sweeps. The Redis
+protocol lives in routing/slots.py and the Lua files; the sweep in routing/keeper.py.
 """
 
 from __future__ import annotations
@@ -12,54 +16,45 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
+from routing.estimate import RetryAfter
+from routing.holdings import Holdings, Lease, Waiter
 from routing.ledger import FLUSH_BATCH, UsageSpool, record_call
+from routing.outage import LocalShares
 from routing.plan import Candidate
 from routing.registry import Model, Registry
+from routing.scripts import Scripts, Store, first_error
 from routing.slots import (
     BUSY,
     FULL,
     GRANTED,
     QUEUED,
+    RANK,
     Attempt,
     ModelSlots,
-    Scripts,
-    Store,
+    Timing,
     account_key,
     attempt,
     text,
 )
 from tiers.policy import Tier, TiersConfig
+from tiers.usage import encodable
 
 log = logging.getLogger("gateway.admission")
-T = TypeVar("T")
 
 STORE_ERRORS = (RedisError, OSError)
-# Past this, a computed Retry-After says more about noise than about the queue.
-MAX_RETRY_AFTER_S = 60
 
-
-@dataclass(slots=True)
-class Lease:
-    """A slot held on one endpoint of one model (and in the account's own count)."""
-
-    id: str
-    model: str
-    endpoint: str
-    account: str
-    queued_ms: float
-    local: bool = False
+__all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +62,19 @@ class Admitted:
     lease: Lease
     candidate: Candidate
     tier: Tier
+
+
+@dataclass(slots=True)
+class _Walk:
+    """One request's walk over its candidates."""
+
+    lease_id: str
+    account: str
+    akey: str  # the account's key in Redis
+    limit: int
+    affinity: Callable[[Model], Sequence[str] | None] | None
+    # Whether the account's count holds an entry for this walk (taken with the first try).
+    has_account: bool = False
 
 
 class Admission:
@@ -82,36 +90,47 @@ class Admission:
         spool: UsageSpool | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sweep_interval_s: float = 1.0,
+        command_timeout_s: float = 2.0,
     ) -> None:
         self.redis = redis
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
         self.spool = spool
-        self.scripts = Scripts()
+        self.scripts = Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self.ttl_ms = int(lease_ttl_s * 1000)
+        self.timing = Timing.of(lease_ttl_s, sweep_interval_s)
         self.on_outage = on_outage
         self._tiers = tiers
         self._clock = clock
         self._ids = itertools.count()
-        self.slots = {m.name: _slots(m, tiers, self.ttl_ms) for m in registry}
-        self.held: dict[str, Lease] = {}
-        self.waiters: dict[str, tuple[str, asyncio.Future[str]]] = {}
-        # Slots freed per second, per model, fleet-wide (fed by the keeper's sweep).
-        self.freed_rate: dict[str, float] = {}
-        self.replicas = 1
-        self.local = LocalShares(registry, tiers)
-        # Work still on its way that close() must wait for: clean-up tasks, releases, and
-        # calls whose caller was cancelled (their undo starts when they answer).
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._releases: set[asyncio.Future[None]] = set()
-        self._cleanups: set[asyncio.Future[Any]] = set()
+        self.holdings = Holdings()
+        self.local = LocalShares(self.replica_id, tiers)
+        self.retry = RetryAfter()
+        self.slots: dict[str, ModelSlots] = {}
+        for model in registry:
+            self._add(model, tiers)
+        # Calls on their way that close() waits for (releases, give-backs, late replies).
+        self._pending: set[asyncio.Future[Any]] = set()
+        # Releases not answered yet, with their usage records (spooled if never answered).
+        self._releasing: dict[asyncio.Future[None], Mapping[str, str] | None] = {}
+        self._release_failing = False
+
+    @property
+    def held(self) -> dict[str, Lease]:
+        return self.holdings.held
+
+    @property
+    def waiters(self) -> dict[str, Waiter]:
+        return self.holdings.waiters
 
     async def start(self) -> None:
         try:
             await self.scripts.load(self.store)
         except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
             log.warning("admission store unreachable at start: %s", type(exc).__name__)
+
+    # --- the walk ------------------------------------------------------------------------
 
     async def admit(
         self,
@@ -121,49 +140,62 @@ class Admission:
         account_limit: int,
         affinity: Callable[[Model], Sequence[str] | None] | None = None,
     ) -> Admitted:
-        walk = _Walk(f"{self.replica_id}-{next(self._ids)}", account, account_limit, affinity)
-        started = self._clock()
+        lease_id = f"{self.replica_id}-{next(self._ids)}"
+        walk = _Walk(lease_id, account, account_key(account), account_limit, affinity)
         try:
-            last: GatewayError | None = None
-            for cand in candidates:
-                tier = tier_of(cand.model)
-                if self.slots[cand.model.name].capacity == 0:
-                    last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
-                    continue
-                result = await self._try(walk, cand, tier)
-                endpoint = await self._settle(cand, tier, walk.lease_id, result)
-                if endpoint is not None:
-                    queued = (self._clock() - started) * 1000
-                    lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued)
-                    self.held[walk.lease_id] = lease
-                    walk.holds_account = False  # the lease owns it now
-                    return Admitted(lease, cand, tier)
-                last = self._rejection(cand.model, tier, result)
-            assert last is not None
-            raise last
+            return await self._walk(walk, candidates, tier_of, self._clock())
         except STORE_ERRORS as exc:
-            return self._outage(candidates, tier_of, walk.lease_id, walk.akey, exc)
+            return self._outage(candidates, tier_of, walk, exc)
         finally:
-            self.waiters.pop(walk.lease_id, None)
-            if walk.holds_account:
-                self._spawn(self._forget_account(walk.akey, walk.lease_id))
+            self.holdings.waiters.pop(lease_id, None)
+            if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
+                self._give_back(lease_id, None, walk.akey)
+
+    async def _walk(
+        self,
+        walk: _Walk,
+        candidates: Sequence[Candidate],
+        tier_of: Callable[[Model], Tier],
+        started: float,
+    ) -> Admitted:
+        last: GatewayError | None = None
+        for cand in candidates:
+            tier = tier_of(cand.model)
+            if self.slots[cand.model.name].capacity == 0:
+                last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
+                continue
+            result = await self._try(walk, cand, tier)
+            endpoint = await self._settle(walk, cand, tier, result)
+            if endpoint is not None:
+                queued_ms = (self._clock() - started) * 1000
+                lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued_ms)
+                self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
+                self.holdings.held[lease.id] = lease
+                return Admitted(lease, cand, tier)
+            last = self._rejection(cand.model, tier, result)
+        assert last is not None
+        raise last
 
     async def _try(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
         """One candidate's acquire; the first also takes the account's own slot, in the same
         round trip (and the model's slot goes back if the account is at its limit)."""
         model = cand.model.name
-        call = self._attempt_call(cand, tier, walk.lease_id, walk.affinity)
-        if walk.holds_account:
-            undo = partial(self._undo_replies, model, walk.lease_id, None)
-            replies = await self._outliving(self.scripts.submit(self.store, [call]), undo)
-            return attempt(replies[0])
-        account_call = ("account", [walk.akey], [walk.lease_id, walk.limit, self.ttl_ms])
-        undo = partial(self._undo_replies, model, walk.lease_id, walk.akey)
-        replies = await self._outliving(self.scripts.submit(self.store, [account_call, call]), undo)
-        walk.holds_account = int(replies[0]) == 1
-        result = attempt(replies[1])
-        if not walk.holds_account:
-            await asyncio.shield(self._spawn(self._undo(model, walk.lease_id, result)))
+        calls = self._try_calls(walk, cand, tier)
+        with_account = not walk.has_account
+        replies = await self._outliving(
+            self.scripts.submit(self.store, calls), walk.lease_id, model,
+            walk.akey if with_account else None,
+        )  # fmt: skip
+        if with_account and not isinstance(replies[0], Exception) and int(replies[0]) == 1:
+            walk.has_account = True
+            self.holdings.walking[walk.lease_id] = walk.akey
+        if (error := first_error(replies)) is not None:
+            self._give_back(walk.lease_id, model, None)  # what the other call took goes back
+            raise error
+        result = attempt(replies[-1])
+        if not walk.has_account:
+            if result.status in (GRANTED, QUEUED):
+                self._give_back(walk.lease_id, model, None)
             raise RateLimited(
                 f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
                 code="concurrency_limit",
@@ -171,56 +203,58 @@ class Admission:
             )
         return result
 
-    def _attempt_call(
-        self,
-        cand: Candidate,
-        tier: Tier,
-        lease_id: str,
-        affinity: Callable[[Model], Sequence[str] | None] | None,
-    ) -> Any:
-        wait_ms = int(self._tiers.policy(tier).queue_timeout_s * 1000)
+    def _try_calls(self, walk: _Walk, cand: Candidate, tier: Tier) -> list[Any]:
+        calls: list[Any] = []
+        if not walk.has_account:
+            ttl = self.timing.lease_ttl_ms
+            calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
+        model = cand.model.name
         if cand.may_wait:
             # Registered before the call: a wake-up may arrive before the reply does.
-            self.waiters[lease_id] = (cand.model.name, asyncio.get_running_loop().create_future())
-        preferred = affinity(cand.model) if affinity is not None else None
-        return self.slots[cand.model.name].acquire(
-            lease_id, tier, may_wait=cand.may_wait, wait_ms=wait_ms + 5000, affinity=preferred
+            future = asyncio.get_running_loop().create_future()
+            self.holdings.waiters[walk.lease_id] = Waiter(model, future)
+        preferred = walk.affinity(cand.model) if walk.affinity is not None else None
+        calls.append(
+            self.slots[model].acquire(
+                walk.lease_id, tier, may_wait=cand.may_wait, affinity=preferred
+            )
         )
+        return calls
 
     async def _settle(
-        self, cand: Candidate, tier: Tier, lease_id: str, result: Attempt
+        self, walk: _Walk, cand: Candidate, tier: Tier, result: Attempt
     ) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue), or None."""
         if result.status != QUEUED:
-            self.waiters.pop(lease_id, None)
+            self.holdings.waiters.pop(walk.lease_id, None)
             return result.endpoint if result.status == GRANTED else None
-        _, future = self.waiters[lease_id]
+        model, lease_id = cand.model.name, walk.lease_id
+        waiter = self.holdings.waiters[lease_id]
+        waiter.place = tier.rank * RANK + result.place  # from now on the sweep keeps it queued
         timeout = self._tiers.policy(tier).queue_timeout_s
         try:
-            await asyncio.wait({future}, timeout=timeout)
+            await asyncio.wait({waiter.future}, timeout=timeout)
         except asyncio.CancelledError:
-            self._spawn(self._abandon(cand.model.name, lease_id))
+            self._give_back(lease_id, model, None)  # out of the queue, or its grant back
             raise
         finally:
-            self.waiters.pop(lease_id, None)
-        if future.done():
-            return future.result()
+            self.holdings.waiters.pop(lease_id, None)
+        if waiter.future.done():
+            endpoint = waiter.future.result()
+            self._claim(lease_id, model, endpoint)
+            return endpoint
         # Timed out; the slot may have been granted just now (its message still on the way).
-        model = cand.model.name
-        granted = text(
-            (
-                await self._outliving(
-                    self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)]),
-                    partial(self._release_late_grant, model, lease_id),
-                )
-            )[0]
-        )
-        if granted:
+        sent = self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)])
+        reply = (await self._outliving(sent, lease_id, model, None))[0]
+        if isinstance(reply, Exception):
+            self._give_back(lease_id, model, None)
+            raise reply
+        if granted := text(reply):
             return granted
         raise RateLimited(
-            f"Waited {timeout:g}s in the queue of {cand.model.name!r} without a free slot.",
+            f"Waited {timeout:g}s in the queue of {model!r} without a free slot.",
             code="queue_timeout",
-            retry_after_s=self.retry_after(cand.model.name, 0),
+            retry_after_s=self.retry_after(model, 0),
         )
 
     def _rejection(self, model: Model, tier: Tier, result: Attempt) -> RateLimited:
@@ -235,85 +269,84 @@ class Admission:
         message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
         return RateLimited(message, code="model_busy", retry_after_s=retry)
 
-    def apply(self, registry: Registry, tiers: TiersConfig) -> None:
-        """A new config: new models get slots, known ones new ceilings and queue bounds.
-        Models that left keep their slots (their requests in flight still release)."""
-        self._tiers = tiers
-        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        for model in registry:
-            slots = self.slots.get(model.name)
-            if slots is None:
-                self.slots[model.name] = _slots(model, tiers, self.ttl_ms)
-                self.local.capacity[model.name] = model.capacity
-                self.local.inflight.setdefault(model.name, 0)
+    def _outage(
+        self,
+        candidates: Sequence[Candidate],
+        tier_of: Callable[[Model], Tier],
+        walk: _Walk,
+        exc: BaseException,
+    ) -> Admitted:
+        """Redis did not answer: 503, or (on_outage: local) this replica's share."""
+        self.holdings.waiters.pop(walk.lease_id, None)
+        if self.on_outage != "local":
+            raise ServiceUnavailable(
+                "The admission store (Redis) is unreachable; try again shortly."
+            ) from exc
+        last: GatewayError | None = None
+        for cand in candidates:
+            tier, model = tier_of(cand.model), cand.model.name
+            if self.local.share(model) == 0:
+                last = ServiceUnavailable(
+                    f"Redis is unreachable and this replica's share of {model!r} is 0 "
+                    f"({self.local.replicas or 'unknown'} replicas)."
+                )
+            elif self.local.room(model, tier, self.holdings.holding(model)):
+                lease = Lease(walk.lease_id, model, "", walk.akey, 0.0, local=True)
+                self.holdings.held[lease.id] = lease
+                return Admitted(lease, cand, tier)
             else:
-                slots.configure(utilization, model.config.max_queue)
+                last = RateLimited(
+                    f"{model!r} has no free slot in this replica's share.",
+                    code="flex_no_capacity" if tier is Tier.FLEX else "model_busy",
+                    retry_after_s=1,
+                )
+        assert last is not None
+        raise last from exc
 
-    def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
-        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
-        self.slots[model].set_endpoints(endpoints)
-        self.local.capacity[model] = self.slots[model].capacity
-
-    async def reroute(self, lease: Lease, tier: Tier, unreachable: str) -> bool:
-        """Move a held slot off an endpoint that could not be reached, onto another endpoint
-        of the same model with room (no waiting). False when there is none; either way the
-        request still releases its lease as usual."""
-        slots = self.slots[lease.model]
-        others = [url for url in slots.urls if url != unreachable]
-        calls = [
-            slots.release(lease.id),
-            slots.acquire(lease.id, tier, may_wait=False, wait_ms=0, only=others),
-        ]
-        replies = await asyncio.shield(self.scripts.submit(self.store, calls))
-        result = attempt(replies[1])
-        if result.status != GRANTED:
-            return False
-        lease.endpoint = result.endpoint
-        return True
-
-    def retry_after(self, model: str, ahead: int) -> int:
-        """Seconds until a slot is likely free for a newcomer: the queue ahead over the rate
-        at which the fleet frees slots of this model."""
-        rate = self.freed_rate.get(model, 0.0)
-        if rate <= 0.0:
-            return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
+    # --- leases --------------------------------------------------------------------------
 
     def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record in the same round trip. The
         calls leave at once, whatever happens to the caller afterwards; awaiting the
-        result (never an error) is optional. A record Redis did not take is spooled."""
-        self.held.pop(lease.id, None)
+        result (never an error) is optional. A record Redis did not take is spooled; a
+        release Redis did not answer is retried by the sweeps."""
+        self.holdings.held.pop(lease.id, None)
+        self.retry.held(lease.model, time.monotonic() - lease.since)
         if usage is not None:
-            usage = {**usage, "attempt": lease.id}  # unique per admission, unlike request ids
+            # Unique per admission, unlike request ids; every value encodable whatever the
+            # caller sent, so the record can never stop the release.
+            usage = {**encodable(usage), "attempt": lease.id}
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if lease.local:
-            self.local.release(lease.model)
             self._spool(usage)
             released.set_result(None)
             return released
-        calls = [self.slots[lease.model].release(lease.id), ("ZREM", [lease.account], [lease.id])]
+        calls = [self.slots[lease.model].release([lease.id]), ("ZREM", [lease.account], [lease.id])]
         if usage is not None:
             calls.append(record_call(usage))
-        try:
-            sent = self.scripts.submit(self.store, calls)
-        except STORE_ERRORS as exc:
-            sent = asyncio.get_running_loop().create_future()
-            sent.set_exception(exc)
-        sent.add_done_callback(partial(self._released, released, usage))
-        self._releases.add(released)
-        released.add_done_callback(self._releases.discard)
+        sent = self.scripts.submit(self.store, calls)
+        self._releasing[released] = usage
+        released.add_done_callback(self._releasing.pop)
+        sent.add_done_callback(partial(self._released, lease, usage, released))
         return released
 
     def _released(
         self,
-        released: asyncio.Future[None],
+        lease: Lease,
         usage: Mapping[str, str] | None,
+        released: asyncio.Future[None],
         sent: asyncio.Future[list[Any]],
     ) -> None:
-        if not sent.cancelled() and (exc := sent.exception()) is not None:
-            log.warning("release failed (%s); the lease expires by its TTL", type(exc).__name__)
-            self._spool(usage)
+        replies = None if sent.cancelled() or sent.exception() else sent.result()
+        if replies is None or first_error(replies[:2]) is not None:
+            self.holdings.doubt(lease.id, lease.model, lease.account)
+            if not self._release_failing:
+                log.warning("a release got no answer from Redis; the sweeps will retry it")
+            self._release_failing = True
+        else:
+            self._release_failing = False
+        if usage is not None and (replies is None or isinstance(replies[-1], Exception)):
+            self._spool(usage)  # e.g. Redis at maxmemory refuses records: they wait on disk
         if not released.done():
             released.set_result(None)
 
@@ -333,149 +366,137 @@ class Admission:
         log.info("flushed %d spooled usage records", len(records))
         return len(records)
 
+    def _claim(self, lease_id: str, model: str, endpoint: str) -> None:
+        """A woken waiter claims its grant for the full lease TTL (an unclaimed grant goes
+        back after the claim time)."""
+        sent = self.scripts.submit(self.store, [self.slots[model].claim([(lease_id, endpoint)])])
+        sent.add_done_callback(partial(self._claimed, model))
+        self._track(sent)
+
+    def _claimed(self, model: str, sent: asyncio.Future[list[Any]]) -> None:
+        if not sent.cancelled() and not sent.exception():
+            self.recheck(sent.result()[0], model)
+
+    def recheck(self, restored: Any, model: str | None, account: str | None = None) -> None:
+        """Ids Redis had lost and a call wrote back (in `model`'s leases or an `account`'s
+        count): any this replica no longer holds (released meanwhile) goes back again."""
+        if isinstance(restored, list):
+            for lease_id in map(text, restored):
+                if not self.holdings.is_live(lease_id):
+                    self._give_back(lease_id, model, account)
+
+    def _give_back(self, lease_id: str, model: str | None, account: str | None) -> None:
+        """Forget `lease_id` in Redis now: idempotent calls that leave at once. When they
+        fail, the sweeps forget it instead."""
+        calls: list[Any] = []
+        if model is not None:
+            calls.append(self.slots[model].release([lease_id]))
+        if account is not None:
+            calls.append(("ZREM", [account], [lease_id]))
+        if not calls:
+            return
+        sent = self.scripts.submit(self.store, calls)
+        sent.add_done_callback(partial(self._given_back, lease_id, model, account))
+        self._track(sent)
+
+    def _given_back(
+        self, lease_id: str, model: str | None, account: str | None, sent: asyncio.Future[Any]
+    ) -> None:
+        if sent.cancelled() or sent.exception() is not None or first_error(sent.result()):
+            self.holdings.doubt(lease_id, model, account)
+
     async def _outliving(
-        self, work: asyncio.Future[T], undo: Callable[[T], Coroutine[Any, Any, None]]
-    ) -> T:
-        """Await calls already on their way: if the caller is cancelled meanwhile, they still
-        finish and `undo` gives back whatever they took (no slot is ever orphaned)."""
+        self, work: asyncio.Future[list[Any]], lease_id: str, model: str, account: str | None
+    ) -> list[Any]:
+        """Await calls already on their way. If the caller is cancelled meanwhile, they still
+        finish and whatever they took is given back; a call that fails leaves its effect
+        in doubt, for the sweeps to forget."""
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            work.add_done_callback(partial(self._undo_when_done, undo))
-            self._cleanups.add(work)
-            work.add_done_callback(self._cleanups.discard)
+            work.add_done_callback(partial(self._late, lease_id, model, account))
+            self._track(work)
+            raise
+        except STORE_ERRORS:
+            self.holdings.doubt(lease_id, model, account)
             raise
 
-    def _undo_when_done(
-        self, undo: Callable[[T], Coroutine[Any, Any, None]], done: asyncio.Future[T]
+    def _late(
+        self, lease_id: str, model: str, account: str | None, work: asyncio.Future[Any]
     ) -> None:
-        if not done.cancelled() and done.exception() is None:
-            self._spawn(undo(done.result()))
+        if work.cancelled() or work.exception() is not None:
+            self.holdings.doubt(lease_id, model, account)
+        else:
+            self._give_back(lease_id, model, account)
 
-    async def _undo_replies(
-        self, model: str, lease_id: str, akey: str | None, replies: list[Any]
-    ) -> None:
-        self.waiters.pop(lease_id, None)
-        await self._undo(model, lease_id, attempt(replies[-1]))
-        if akey is not None and int(replies[0]) == 1:
-            await self._forget_account(akey, lease_id)
-
-    async def _release_late_grant(self, model: str, lease_id: str, replies: list[Any]) -> None:
-        if text(replies[0]):
-            await self.scripts.run(self.store, self.slots[model].release(lease_id))
-
-    async def _undo(self, model: str, lease_id: str, result: Attempt) -> None:
-        if result.status == GRANTED:
-            await self.scripts.run(self.store, self.slots[model].release(lease_id))
-        elif result.status == QUEUED:
-            self.waiters.pop(lease_id, None)
-            await self._abandon(model, lease_id)
-
-    async def _abandon(self, model: str, lease_id: str) -> None:
-        """A waiter leaves (caller gone): out of the queue, or its late grant given back."""
+    async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
+        """Move a held slot off an endpoint that could not be reached (or that this replica
+        does not know), onto another endpoint of the same model with room, keeping the slot
+        (no waiter can take it meanwhile). False when there is none."""
+        call = self.slots[lease.model].move(lease.id, avoid, only)
         try:
-            slots = self.slots[model]
-            if text(await self.scripts.run(self.store, slots.cancel(lease_id))):
-                await self.scripts.run(self.store, slots.release(lease_id))
-        except STORE_ERRORS as exc:
-            log.warning("abandoning a waiter failed (%s); it expires", type(exc).__name__)
+            endpoint = text(await asyncio.shield(self.scripts.run(self.store, call)))
+        except STORE_ERRORS:
+            return False
+        if not endpoint:
+            return False
+        lease.endpoint = endpoint
+        return True
 
-    async def _forget_account(self, akey: str, lease_id: str) -> None:
-        try:
-            await self.scripts.run(self.store, ("ZREM", [akey], [lease_id]))
-        except STORE_ERRORS as exc:
-            log.warning("account release failed (%s); it expires", type(exc).__name__)
+    def retry_after(self, model: str, ahead: int) -> int:
+        return self.retry.seconds(model, ahead, self.slots[model].capacity)
 
-    def _outage(
-        self,
-        candidates: Sequence[Candidate],
-        tier_of: Callable[[Model], Tier],
-        lease_id: str,
-        akey: str,
-        exc: BaseException,
-    ) -> Admitted:
-        self.waiters.pop(lease_id, None)
-        if self.on_outage != "local":
-            raise ServiceUnavailable(
-                "The admission store (Redis) is unreachable; try again shortly."
-            ) from exc
-        last: RateLimited | None = None
-        for cand in candidates:
-            tier = tier_of(cand.model)
-            if self.local.take(cand.model.name, tier, self.replicas):
-                lease = Lease(lease_id, cand.model.name, "", akey, 0.0, local=True)
-                self.held[lease_id] = lease
-                return Admitted(lease, cand, tier)
-            last = RateLimited(
-                f"{cand.model.name!r} has no free slot in this replica's share.",
-                code="flex_no_capacity" if tier is Tier.FLEX else "model_busy",
-                retry_after_s=1,
-            )
-        assert last is not None
-        raise last
+    # --- configuration -------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _add(self, model: Model, tiers: TiersConfig) -> None:
+        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+        slots = ModelSlots(model.name, utilization, model.config.max_queue, self.timing)
+        # Every endpoint is in rotation until health checks say otherwise.
+        slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
+        self.slots[model.name] = slots
+        self.local.capacity[model.name] = slots.capacity
+
+    def apply(self, registry: Registry, tiers: TiersConfig) -> None:
+        """A new config: new models get slots, known ones new ceilings and queue bounds, and
+        the local outage shares the new tiers. Models that left keep their slots (their
+        requests in flight still release)."""
+        self._tiers = tiers
+        self.local.tiers = tiers
+        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+        for model in registry:
+            slots = self.slots.get(model.name)
+            if slots is None:
+                self._add(model, tiers)
+            else:
+                slots.configure(utilization, model.config.max_queue)
+
+    def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
+        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
+        self.slots[model].set_endpoints(endpoints)
+        self.local.capacity[model] = self.slots[model].capacity
+
+    # --- shutdown ------------------------------------------------------------------------
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
 
     async def close(self) -> None:
-        """Give back every slot this replica still holds (best effort) and finish cleanups."""
-        for lease in list(self.held.values()):
+        """Give back every slot this replica still holds (best effort) and finish what is
+        on its way; records of releases Redis never answered wait on disk."""
+        for lease in list(self.holdings.held.values()):
             self.release(lease)
         await self.drain()
+        for usage in list(self._releasing.values()):
+            self._spool(usage)
+        self._releasing.clear()
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait for releases and clean-ups already on their way (and those they start)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while pending := [*self._tasks, *self._releases, *self._cleanups]:
-            left = deadline - asyncio.get_running_loop().time()
+        """Wait for calls already on their way (and those they start)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while pending := [*self._pending, *self._releasing]:
+            left = deadline - loop.time()
             if left <= 0:
                 return
             await asyncio.wait(pending, timeout=left)
-
-
-@dataclass(slots=True)
-class _Walk:
-    """One request's walk over its candidates."""
-
-    lease_id: str
-    account: str
-    limit: int
-    affinity: Callable[[Model], Sequence[str] | None] | None
-    holds_account: bool = False
-
-    @property
-    def akey(self) -> str:
-        return account_key(self.account)
-
-
-class LocalShares:
-    """Admission while Redis is down under `on_outage: local`: this replica's share only."""
-
-    def __init__(self, registry: Registry, tiers: TiersConfig) -> None:
-        self.capacity = {m.name: m.capacity for m in registry}
-        self._tiers = tiers
-        self.inflight: dict[str, int] = dict.fromkeys(self.capacity, 0)
-
-    def take(self, model: str, tier: Tier, replicas: int) -> bool:
-        if self.capacity[model] == 0:
-            return False
-        share = self.capacity[model] / max(1, replicas)
-        ceiling = share * self._tiers.policy(tier).max_utilization
-        if self.inflight[model] >= max(1.0, math.floor(ceiling)):
-            return False
-        self.inflight[model] += 1
-        return True
-
-    def release(self, model: str) -> None:
-        self.inflight[model] -= 1
-
-
-def _slots(model: Model, tiers: TiersConfig, ttl_ms: int) -> ModelSlots:
-    utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-    slots = ModelSlots(model.name, utilization, model.config.max_queue, ttl_ms)
-    # Every endpoint is in rotation until health checks say otherwise.
-    slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
-    return slots

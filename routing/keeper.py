@@ -1,10 +1,13 @@
-"""Each replica's background work for admission.
+"""Each replica's background work for admission (each loop through routing/background.py,
+so no error ever ends one for good).
 
 - One pub/sub subscription wakes this replica's waiters by id (no polling loops).
-- A slow sweep (about a second) reclaims expired leases and hands their slots on, so that
-  capacity held by a dead replica flows back; keeps this replica's leases alive (long
-  streams included); finds grants whose wake-up message was lost; and reads each model's
-  in-flight and queue depth for metrics and the rate of freed slots for Retry-After.
+- A sweep about every second, one round trip for all models: reclaims expired leases and
+  dead replicas' waiters and hands their slots on; keeps alive, or writes back when Redis
+  lost them, everything this replica holds (leases, account entries, queued waiters at
+  their original place); claims grants whose wake-up was lost; forgets ids whose state is
+  in doubt; says this replica is alive; and reads each model's in-flight and queue depth
+  for metrics and the rate of freed slots for Retry-After.
 """
 
 from __future__ import annotations
@@ -12,23 +15,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from routing.admission import STORE_ERRORS, Admission
-from routing.resp import RespClient
-from routing.slots import Call, ModelState, model_state, text
+from routing.background import BackgroundErrors, every
+from routing.scripts import Call, first_error
+from routing.slots import ModelState, sweep_result, text
 
 log = logging.getLogger("gateway.admission")
 
 REPLICAS_KEY = "gw:replicas"
-# A Redis call unanswered this long means a hung server or a dead link: drop the connection.
-STALLED_S = 5.0
-# Weight of the newest sample in the freed-slots rate (per sweep).
-RATE_WEIGHT = 0.3
+
+
+@dataclass
+class _Round:
+    """The calls of one sweep, and where each part's replies are."""
+
+    calls: list[Call]
+    models: list[str]
+    waiters: dict[str, list[str]]
+    accounts: list[str]
+    orphans: list[str]
+    orphan_calls: int
 
 
 @dataclass
@@ -37,116 +49,111 @@ class Keeper:
     # A connection for the subscription that no socket timeout cuts (redis-py #2807).
     pubsub_redis: aioredis.Redis
     interval_s: float = 1.0
+    errors: BackgroundErrors = field(default_factory=BackgroundErrors)
+    # A sweep round longer than this is cut (and counted): it never waits on a stall.
+    round_timeout_s: float = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
-    store_ok: bool = True
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _last_freed: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._listen()), loop.create_task(self._sweeping())]
+        self._tasks = [
+            loop.create_task(every("subscription", 0.5, self._listen, self.errors)),
+            loop.create_task(
+                every("sweep", self.interval_s, self.sweep_once, self.errors,
+                      timeout_s=self.round_timeout_s)
+            ),
+            loop.create_task(every("spool", self.interval_s, self.admission.flush_spool,
+                                   self.errors)),
+        ]  # fmt: skip
 
     def resubscribe(self) -> None:
         """The set of models changed: listen on every model's channel from now on."""
         if self._tasks:
             self._tasks[0].cancel()
-            self._tasks[0] = asyncio.get_running_loop().create_task(self._listen())
+            listen = every("subscription", 0.5, self._listen, self.errors)
+            self._tasks[0] = asyncio.get_running_loop().create_task(listen)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _sweeping(self) -> None:
-        while True:
-            try:
-                await self.sweep_once()
-                self.store_ok = True
-                await self.admission.flush_spool()
-            except STORE_ERRORS as exc:
-                if self.store_ok:
-                    log.warning("admission store unreachable: %s", type(exc).__name__)
-                self.store_ok = False
-            await asyncio.sleep(self.interval_s)
+    # --- the sweep -----------------------------------------------------------------------
 
     async def sweep_once(self) -> None:
+        work = self._round()
+        replies = await self.admission.scripts.submit(self.admission.store, work.calls)
+        self._apply(work, replies)
+        if (error := first_error(replies)) is not None:
+            raise error
+
+    def _round(self) -> _Round:
         adm = self.admission
+        holdings = adm.holdings
+        leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
         models = list(adm.slots)
-        calls: list[Call] = [adm.slots[m].sweep() for m in models]
-        ttl = max(3000, int(self.interval_s * 3000))
-        calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, ttl]))
-        calls += self._refresh_calls()
-        lost = self._waiting_by_model()
-        calls += [("HMGET", [adm.slots[m].granted_key], ids) for m, ids in lost.items()]
-        if isinstance(adm.store, RespClient) and adm.store.fail_stalled(STALLED_S):
-            log.warning("Redis did not answer for %ss; reconnecting", STALLED_S)
-        replies = await adm.scripts.execute(adm.store, calls)
+        calls = [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
+        calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
+        entries = holdings.entries_by_account()
+        ttl = adm.timing.lease_ttl_ms
+        holdings.prune(2 * ttl / 1000)
+        calls += [("account_keep", [key], [ttl, *ids]) for key, ids in entries.items()]
+        orphan_models, orphan_accounts = holdings.orphans_by_model()
+        orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
+        orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
+        return _Round(
+            calls + orphan_calls,
+            models,
+            {m: [waiter_id for waiter_id, _ in ws] for m, ws in waiters.items()},
+            list(entries),
+            list(holdings.orphans),
+            len(orphan_calls),
+        )
+
+    def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
+        adm = self.admission
         now = asyncio.get_running_loop().time()
-        for model, reply in zip(models, replies, strict=False):
-            state = model_state(reply)
-            self.states[model] = state
-            self._track_rate(model, now, state.freed)
-        adm.replicas = max(1, int(replies[len(models)]))
-        lost_replies = replies[len(replies) - len(lost) :]
-        for ids, granted in zip(lost.values(), lost_replies, strict=True):
-            for waiter_id, endpoint in zip(ids, granted, strict=True):
-                if endpoint is not None:
-                    self.wake(waiter_id, text(endpoint))
-
-    def _refresh_calls(self) -> list[Call]:
-        by_model: dict[str, list[str]] = defaultdict(list)
-        by_account: dict[str, list[str]] = defaultdict(list)
-        for lease in self.admission.held.values():
-            if not lease.local:
-                by_model[lease.model].append(lease.id)
-                by_account[lease.account].append(lease.id)
-        calls: list[Call] = [self.admission.slots[m].refresh(ids) for m, ids in by_model.items()]
-        ttl = self.admission.ttl_ms
-        calls += [("refresh", [key], [ttl, *ids]) for key, ids in by_account.items()]
-        return calls
-
-    def _waiting_by_model(self) -> dict[str, list[str]]:
-        waiting: dict[str, list[str]] = defaultdict(list)
-        for waiter_id, (model, future) in self.admission.waiters.items():
-            if not future.done():
-                waiting[model].append(waiter_id)
-        return dict(waiting)
-
-    def _track_rate(self, model: str, now: float, freed: int) -> None:
-        previous = self._last_freed.get(model)
-        self._last_freed[model] = (now, freed)
-        if previous is None or now <= previous[0] or freed < previous[1]:
-            return
-        sample = (freed - previous[1]) / (now - previous[0])
-        old = self.admission.freed_rate.get(model)
-        rate = sample if old is None else old + RATE_WEIGHT * (sample - old)
-        self.admission.freed_rate[model] = rate
+        for model, reply in zip(work.models, replies, strict=False):
+            if isinstance(reply, Exception):
+                continue
+            found = sweep_result(reply)
+            self.states[model] = found.state
+            adm.retry.freed(model, now, found.state.freed)
+            adm.recheck(found.restored, model)
+            for waiter_id, endpoint in zip(work.waiters.get(model, []), found.granted, strict=True):
+                if endpoint:
+                    self.wake(waiter_id, endpoint)
+        at = len(work.models)
+        if not isinstance(replies[at], Exception):
+            adm.local.saw([text(r) for r in replies[at]])
+        for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
+            adm.recheck(reply, None, key)
+        tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
+        if first_error(tail) is None:
+            adm.holdings.forgotten(work.orphans)
 
     def wake(self, waiter_id: str, endpoint: str) -> None:
-        entry = self.admission.waiters.get(waiter_id)
-        if entry is not None and not entry[1].done():
-            entry[1].set_result(endpoint)
+        waiter = self.admission.holdings.waiters.get(waiter_id)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(endpoint)
+
+    # --- wake-ups ------------------------------------------------------------------------
 
     async def _listen(self) -> None:
+        """One subscription until it breaks (then `every` counts the error and resubscribes)."""
         channels = [s.channel for s in self.admission.slots.values()]
-        backoff = 0.2
-        while True:
-            pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(*channels)
-                backoff = 0.2
-                while True:
-                    message = await pubsub.get_message(timeout=5.0)
-                    if message is not None:
-                        self._on_message(message)
-            except STORE_ERRORS as exc:
-                log.warning("wake-up subscription lost (%s); resubscribing", type(exc).__name__)
-            finally:
-                # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_close_quietly(pubsub), 1.0)
-            await asyncio.sleep(backoff)
-            backoff = min(5.0, backoff * 2)
+        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(*channels)
+            while True:
+                message = await pubsub.get_message(timeout=5.0)
+                if message is not None:
+                    self._on_message(message)
+        finally:
+            # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_close_quietly(pubsub), 1.0)
 
     def _on_message(self, message: dict[str, Any]) -> None:
         waiter_id, _, endpoint = text(message.get("data")).partition(" ")

@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.slots import Call
+from routing.scripts import Call
 
 log = logging.getLogger("gateway.usage")
 

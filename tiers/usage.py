@@ -7,6 +7,7 @@ applied tier's multiplier.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -51,6 +52,17 @@ class UsageRecord:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def encodable(fields: Mapping[str, str]) -> dict[str, str]:
+    """The record with every value valid UTF-8: a caller's text holding a lone UTF-16
+    surrogate (which JSON allows) becomes "?" there, so the record can always be sent to
+    Redis and written to the spool."""
+    return {k: v if v.isascii() else _utf8(v) for k, v in fields.items()}
+
+
+def _utf8(value: str) -> str:
+    return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def cost_usd(

@@ -1,5 +1,6 @@
 -- An account's own limit across replicas. KEYS[1] gw:acct:{account} ZSET lease_id -> expiry.
 -- ARGV: 1 lease_id, 2 limit, 3 ttl_ms. Returns 1 when taken, 0 when the account is at its limit.
+-- The first write (ZREMRANGEBYSCORE) frees memory, so this runs at maxmemory too.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)

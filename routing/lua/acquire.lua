@@ -1,28 +1,31 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
--- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 wait_ms,
---       7 channel, 8 mode ('least'|'first'), 9..11 ceilings (priority, default, flex),
---       12.. endpoints (n, then url, max, penalty triples)
--- Returns {status, endpoint, inflight, ahead}: status 1 granted, 2 queued, 0 busy, -1 full.
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 waiter_ttl_ms,
+--       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10..12 ceilings (priority, default,
+--       flex), 13.. endpoints (n, then url, max, penalty triples)
+-- Returns {status, endpoint, inflight, ahead, seq}: status 1 granted, 2 queued (seq = its
+-- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier).
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local ceilings = ceilings_at(9)
-local eps = endpoints(12)
+local ceilings = ceilings_at(10)
+local eps = endpoints(13)
 local now = now_ms()
 expire(now)
-pump(now, ttl, ceilings, eps, ARGV[7])
+pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])
+-- After the pump no waiter that could take a slot is left: a newcomer with room for its
+-- tier jumps nobody who could have gone first.
 local inflight = redis.call('ZCARD', KEYS[1])
--- Waiters of the same or a better tier come first: a newcomer never jumps them.
-local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. string.format('%.0f', (rank + 1) * RANK))
-if ahead == 0 and inflight < ceilings[rank + 1] then
+if inflight < ceilings[rank + 1] then
   local ep = pick(eps, ARGV[8])
   if ep then
     grant(id, ep, now + ttl)
-    return {1, ep, inflight + 1, 0}
+    return {1, ep, inflight + 1, 0, 0}
   end
 end
-if ARGV[4] ~= '1' then return {0, '', inflight, ahead} end
-local depth = redis.call('ZCARD', KEYS[2])
-if depth >= tonumber(ARGV[5]) then return {-1, '', inflight, depth} end
+local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
+if ARGV[4] ~= '1' then return {0, '', inflight, ahead, 0} end
+-- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
+-- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
+if ahead >= tonumber(ARGV[5]) then return {-1, '', inflight, ahead, 0} end
 local seq = redis.call('INCR', KEYS[5])
-redis.call('ZADD', KEYS[2], rank * RANK + seq, id)
+redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
 redis.call('ZADD', KEYS[7], now + tonumber(ARGV[6]), id)
-return {2, '', inflight, ahead}
+return {2, '', inflight, ahead, seq}

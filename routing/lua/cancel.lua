@@ -1,9 +1,13 @@
--- A waiter gives up (timeout or caller gone). ARGV: 1 waiter_id.
--- Returns the endpoint if it had already been granted a slot (a message may still be on
--- its way: the slot is its own now), or '' if it was still queued (and is removed).
+-- A waiter gives up at its queue timeout. ARGV: 1 waiter_id, 2 ttl_ms.
+-- Returns '' if it was still queued (and is removed), else the endpoint it was granted
+-- meanwhile (its wake-up may still be on the way): the slot is its own now, claimed for
+-- the full lease TTL.
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[7], ARGV[1])
   return ''
 end
 redis.call('ZREM', KEYS[7], ARGV[1])
-return redis.call('HGET', KEYS[3], ARGV[1]) or ''
+local ep = redis.call('HGET', KEYS[3], ARGV[1])
+if not ep then return '' end
+redis.call('ZADD', KEYS[1], 'XX', now_ms() + tonumber(ARGV[2]), ARGV[1])
+return ep

@@ -6,12 +6,17 @@
 -- KEYS[4] ep_load  HASH endpoint url -> leases held on it
 -- KEYS[5] seq      STRING queue sequence
 -- KEYS[6] freed    STRING slots freed so far (releases and expiries), for Retry-After
--- KEYS[7] qexp     ZSET waiter_id -> give-up time (ms): waiters of dead replicas leave by it
+-- KEYS[7] qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so
+--                  the waiters of a dead replica leave the queue within the waiter TTL
 local RANK = 1e15
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function score(n)
+  return string.format('%.0f', n)
 end
 
 local function drop_lease(id)
@@ -23,20 +28,23 @@ local function drop_lease(id)
   return redis.call('ZREM', KEYS[1], id)
 end
 
--- Reclaim leases whose holder stopped refreshing them, and waiters past their give-up time.
+-- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
+-- keeping them alive. Every model script calls this first: its first write (ZREMRANGEBYSCORE)
+-- frees memory, and Redis lets a script that has begun writing finish even at maxmemory
+-- with noeviction, so admission and release keep working when Redis is full (usage records,
+-- whose script writes first with SET, are refused then and wait in the spool).
 local function expire(now)
+  local late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+  for _, id in ipairs(late) do redis.call('ZREM', KEYS[2], id) end
   local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
   for _, id in ipairs(gone) do drop_lease(id) end
   if #gone > 0 then redis.call('INCRBY', KEYS[6], #gone) end
-  local late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
-  for _, id in ipairs(late) do
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('ZREM', KEYS[7], id)
-  end
 end
 
 -- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
 -- penalty (>= 0) is the worker's own load signal (queue, KV cache), 0 when not scraped.
+-- Returns the endpoints and the index of the next argument.
 local function endpoints(from)
   local n = tonumber(ARGV[from])
   local eps = {}
@@ -44,7 +52,7 @@ local function endpoints(from)
     local at = from + 3 * i - 2
     eps[i] = {ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])}
   end
-  return eps
+  return eps, from + 3 * n + 1
 end
 
 -- The endpoint to take: in 'first' mode the first with room (cache affinity order), else the
@@ -55,8 +63,8 @@ local function pick(eps, mode)
     local load = tonumber(redis.call('HGET', KEYS[4], e[1]) or '0')
     if load < e[2] then
       if mode == 'first' then return e[1] end
-      local score = load / e[2] + e[3]
-      if best == nil or score < best_score then best, best_score = e[1], score end
+      local s = load / e[2] + e[3]
+      if best == nil or s < best_score then best, best_score = e[1], s end
     end
   end
   return best
@@ -68,24 +76,51 @@ local function grant(id, ep, expiry)
   redis.call('HINCRBY', KEYS[4], ep, 1)
 end
 
--- Hand free slots to the queue head while its tier has room; wake each by message.
--- ceilings[rank + 1] = capacity x that tier's max_utilization.
-local function pump(now, ttl, ceilings, eps, channel)
+-- The oldest waiter of the best tier that may take a slot now, or nil. A tier whose own
+-- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
+-- default's must not stall the default queue).
+local function eligible_head(inflight, ceilings)
+  for rank = 0, 2 do
+    if inflight < ceilings[rank + 1] then
+      local head = redis.call('ZRANGEBYSCORE', KEYS[2], score(rank * RANK),
+        '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
+      if head[1] then return head[1] end
+    end
+  end
+  return nil
+end
+
+-- Hand free slots to waiters, best tier first, while there is room; wake each by message.
+-- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
+-- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization.
+local function pump(now, claim, ceilings, eps, channel)
+  if redis.call('ZCARD', KEYS[2]) == 0 then return 0 end
   local granted = 0
   while true do
-    local head = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-    if #head == 0 then break end
-    local rank = math.floor(tonumber(head[2]) / RANK)
-    if redis.call('ZCARD', KEYS[1]) >= ceilings[rank + 1] then break end
+    local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings)
+    if not id then break end
     local ep = pick(eps, 'least')
     if not ep then break end
-    redis.call('ZREM', KEYS[2], head[1])
-    redis.call('ZREM', KEYS[7], head[1])
-    grant(head[1], ep, now + ttl)
-    redis.call('PUBLISH', channel, head[1] .. ' ' .. ep)
+    redis.call('ZREM', KEYS[2], id)
+    redis.call('ZREM', KEYS[7], id)
+    grant(id, ep, now + claim)
+    redis.call('PUBLISH', channel, id .. ' ' .. ep)
     granted = granted + 1
   end
   return granted
+end
+
+-- A lease this replica holds: kept for `ttl` ms more, or written back if Redis lost it
+-- (restart, failover). Returns 1 when it had to be written back.
+local function hold(id, ep, expiry)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[7], id)
+  if redis.call('ZSCORE', KEYS[1], id) then
+    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+    return 0
+  end
+  grant(id, ep, expiry)
+  return 1
 end
 
 local function ceilings_at(from)

@@ -1,6 +1,16 @@
--- Give a slot back and hand it on to the queue head. ARGV: 1 lease_id, 2 ttl_ms, 3 channel,
--- 4..6 ceilings, 7.. endpoints. Returns how many waiters were granted.
+-- Give slots back (or take waiters out of the queue) and hand freed slots on.
+-- ARGV: 1 claim_ms, 2 channel, 3..5 ceilings, 6.. endpoints, then n and n lease/waiter ids.
+-- Used for the end of a request, a waiter whose caller left, and any id whose state in
+-- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
+-- Returns how many waiters were granted.
 local now = now_ms()
-if drop_lease(ARGV[1]) == 1 then redis.call('INCR', KEYS[6]) end
 expire(now)
-return pump(now, tonumber(ARGV[2]), ceilings_at(4), endpoints(7), ARGV[3])
+local eps, at = endpoints(6)
+local freed = 0
+for i = at + 1, at + tonumber(ARGV[at]) do
+  freed = freed + drop_lease(ARGV[i])
+  redis.call('ZREM', KEYS[2], ARGV[i])
+  redis.call('ZREM', KEYS[7], ARGV[i])
+end
+if freed > 0 then redis.call('INCRBY', KEYS[6], freed) end
+return pump(now, tonumber(ARGV[1]), ceilings_at(3), eps, ARGV[2])

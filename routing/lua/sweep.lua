@@ -1,12 +1,46 @@
--- The slow sweep of each replica: reclaim expired leases, hand freed slots to waiters, and
--- report the model's state. ARGV: 1 ttl_ms, 2 channel, 3..5 ceilings, 6.. endpoints.
--- Returns {inflight, queued priority, queued default, queued flex, freed so far}.
+-- Each replica's sweep of one model (about every second):
+--  1. reclaim expired leases and dead replicas' waiters;
+--  2. keep this replica's leases (written back if Redis lost them);
+--  3. keep its waiters alive in the queue, re-queue those Redis lost (original place), and
+--     claim those granted meanwhile (a wake-up message may have been lost);
+--  4. hand free slots on; 5. report the model's state.
+-- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5..7 ceilings, 8.. endpoints,
+--       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs.
+-- Returns {{inflight, queued priority, default, flex, freed so far}, written-back lease ids,
+--          one entry per waiter: its granted endpoint or ''}.
 local now = now_ms()
 expire(now)
-pump(now, tonumber(ARGV[1]), ceilings_at(3), endpoints(6), ARGV[2])
-local function queued(rank)
-  return redis.call('ZCOUNT', KEYS[2], string.format('%.0f', rank * RANK),
-    '(' .. string.format('%.0f', (rank + 1) * RANK))
+local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[3])
+local eps, at = endpoints(8)
+local restored = {}
+local n = tonumber(ARGV[at])
+for i = at + 1, at + 2 * n, 2 do
+  if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
 end
-return {redis.call('ZCARD', KEYS[1]), queued(0), queued(1), queued(2),
-  tonumber(redis.call('GET', KEYS[6]) or '0')}
+at = at + 2 * n + 1
+local granted = {}
+for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
+  local id = ARGV[i]
+  local ep = redis.call('HGET', KEYS[3], id)
+  if ep then
+    redis.call('ZADD', KEYS[1], 'XX', now + ttl, id)
+    granted[#granted + 1] = ep
+  else
+    granted[#granted + 1] = ''
+    if redis.call('ZSCORE', KEYS[2], id) then
+      redis.call('ZADD', KEYS[7], 'XX', now + wttl, id)
+    else
+      local place = ARGV[i + 1]
+      redis.call('ZADD', KEYS[2], place, id)
+      redis.call('ZADD', KEYS[7], now + wttl, id)
+      local seq = tonumber(place) % RANK
+      if tonumber(redis.call('GET', KEYS[5]) or '0') < seq then redis.call('SET', KEYS[5], score(seq)) end
+    end
+  end
+end
+pump(now, tonumber(ARGV[2]), ceilings_at(5), eps, ARGV[4])
+local function queued(rank)
+  return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))
+end
+return {{redis.call('ZCARD', KEYS[1]), queued(0), queued(1), queued(2),
+  tonumber(redis.call('GET', KEYS[6]) or '0')}, restored, granted}

@@ -8,6 +8,7 @@ import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -22,6 +23,7 @@ from routing.registry import Model, Registry
 from routing.resp import RespClient
 from routing.slots import QUEUED, text
 from tests.conftest import REDIS_URL
+from tests.redis_server import RedisServer
 from tiers.policy import Tier
 
 CONFIG = """
@@ -101,10 +103,18 @@ class Fleet:
         return client
 
     async def admission(
-        self, *, on_outage: str = "reject", redis: aioredis.Redis | None = None
+        self,
+        *,
+        on_outage: str = "reject",
+        redis: aioredis.Redis | None = None,
+        url: str | None = None,
     ) -> Admission:
-        client = redis if redis is not None else self.client()
-        url = DEAD_URL if redis is not None else REDIS_URL
+        """A replica on the run's Redis, on a dead one (`redis` given), or on `url`."""
+        if url is not None:
+            client = self.client(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+        else:
+            client = redis if redis is not None else self.client()
+            url = DEAD_URL if redis is not None else REDIS_URL
         adm = Admission(
             client,
             self.registry,
@@ -321,7 +331,7 @@ async def test_queue_full_answers_at_once(fleet: Fleet) -> None:
     waiters = [asyncio.create_task(admit(adm, fleet.plan("two"))) for _ in range(2)]
     for _ in waiters:
         await bounded(queued.get())
-    error = await expect_limited(admit(adm, fleet.plan("two"), Tier.PRIORITY), "queue_full")
+    error = await expect_limited(admit(adm, fleet.plan("two"), Tier.DEFAULT), "queue_full")
     assert "2 waiting" in error.message
     await release_all(adm, held)
     served = [(await bounded(w)).lease for w in waiters]
@@ -363,7 +373,7 @@ async def test_retry_after_grows_with_the_queue_ahead(fleet: Fleet) -> None:
     await fleet.keeper(adm)
     queued = watch_queued(adm)
     held = await fill(fleet, adm, "two", 2)
-    adm.freed_rate["two"] = 0.5  # slots freed per second, fleet-wide
+    adm.retry.freed_rate["two"] = 0.5  # slots freed per second, fleet-wide
     fail_fast = fleet.plan("two", fail_fast=True)
     empty_queue = await expect_limited(admit(adm, fail_fast), "model_busy")
     waiters = [asyncio.create_task(admit(adm, fleet.plan("two"))) for _ in range(2)]
@@ -376,7 +386,7 @@ async def test_retry_after_grows_with_the_queue_ahead(fleet: Fleet) -> None:
     # The waiters are default: a priority request has nobody ahead of it.
     priority = await expect_limited(admit(adm, fail_fast, Tier.PRIORITY), "model_busy")
     assert priority.retry_after_s == empty_queue.retry_after_s
-    adm.freed_rate["two"] = 5.0
+    adm.retry.freed_rate["two"] = 5.0
     faster = await expect_limited(admit(adm, fail_fast), "model_busy")
     assert faster.retry_after_s < two_ahead.retry_after_s
     await release_all(adm, held)
@@ -457,7 +467,7 @@ async def test_keeper_sweep_keeps_held_leases_alive_and_reports_state(fleet: Fle
     assert keeper.states["two"].inflight == 1
     assert keeper.states["two"].queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 0}
     assert await fleet.redis.zscore("gw:replicas", adm.replica_id) is not None
-    assert adm.replicas >= 1
+    assert adm.local.replicas >= 1
     await bounded(adm.release(lease))
     await bounded(keeper.sweep_once())
     assert keeper.states["two"].inflight == 0
@@ -549,26 +559,24 @@ async def test_cancel_during_the_timeout_check_gives_the_late_grant_back(fleet: 
     assert await fleet.leases("two") == 0
 
 
-async def test_cancel_while_giving_back_the_slot_of_a_concurrency_limit(fleet: Fleet) -> None:
+async def test_concurrency_limit_gives_the_slot_back_without_the_caller(fleet: Fleet) -> None:
+    """The 429 does not wait for the give-back; the give-back still runs to its end."""
     adm = await fleet.admission()
     first = (await admit(adm, fleet.plan("two"), limit=1)).lease
     giving_back = asyncio.Event()
-    caller_gone = asyncio.Event()
+    may_go = asyncio.Event()
 
     async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         if calls[0][0] == "release" and not giving_back.is_set():
-            # Not sent yet (e.g. waiting for a pooled connection) when the caller goes away.
-            giving_back.set()
-            await caller_gone.wait()
+            giving_back.set()  # not sent yet (e.g. the connection is busy)
+            await may_go.wait()
         return await send()
 
     intercept(adm, around)
-    task = asyncio.create_task(admit(adm, fleet.plan("two"), limit=1))
+    await expect_limited(admit(adm, fleet.plan("two"), limit=1), "concurrency_limit")
     await bounded(giving_back.wait())
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    caller_gone.set()
+    assert await fleet.leases("two") == 2  # the give-back has not run yet
+    may_go.set()
     await bounded(adm.release(first))
     await bounded(adm.close())
     assert await fleet.leases("two") == 0
@@ -663,6 +671,10 @@ async def test_outage_rejects_under_reject(fleet: Fleet) -> None:
 
 async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
     adm = await fleet.admission(on_outage="local", redis=dead_redis(fleet))
+    # A replica that never saw the fleet cannot know its share: it admits nothing.
+    with pytest.raises(ServiceUnavailable, match="share"):
+        await admit(adm, fleet.plan("two"))
+    adm.local.saw([adm.replica_id])  # the last heartbeat saw this replica alone
     held = [(await admit(adm, fleet.plan("two"))).lease for _ in range(2)]
     assert all(lease.local and lease.model == "two" for lease in held)
     await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
@@ -676,10 +688,40 @@ async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
     await release_all(adm, [held[1], again, other.lease])
     assert adm.held == {}
     # Two replicas alive: each admits half the model.
-    adm.replicas = 2
+    adm.local.saw([adm.replica_id, "other"])
     one = (await admit(adm, fleet.plan("two"))).lease
     await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
+    # `one` (capacity 1) goes to the first replica of the sorted list only.
+    first = sorted([adm.replica_id, "other"])[0] == adm.replica_id
+    if first:
+        await bounded(adm.release((await admit(adm, fleet.plan("one"))).lease))
+    else:
+        with pytest.raises(ServiceUnavailable, match="share"):
+            await admit(adm, fleet.plan("one"))
     await bounded(adm.release(one))
+
+
+async def test_local_share_counts_slots_taken_before_the_outage(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Requests Redis admitted before it went away still run: they count against the
+    replica's share, so the workers never get the capacity plus the shares."""
+    server = RedisServer(tmp_path).start()
+    try:
+        adm = await fleet.admission(on_outage="local", url=server.url)
+        await bounded((await fleet.keeper(adm, listen=False)).sweep_once())  # sees its fleet
+        running = await fill(fleet, adm, "two", 2)
+        server.kill()
+        await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
+        await bounded(adm.release(running[0]))  # Redis does not answer; the slot is free here
+        local = await admit(adm, fleet.plan("two"))
+        assert local.lease.local
+        await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
+        await release_all(adm, [local.lease, running[1]])
+        # Releases Redis never answered: the sweeps give them back once it does.
+        assert {lease.id for lease in running} <= set(adm.holdings.orphans)
+    finally:
+        server.stop()
 
 
 # --- many requests at once --------------------------------------------------------------------

@@ -18,7 +18,7 @@ from routing.admission import STORE_ERRORS, Admission, Lease
 from routing.ledger import REMEMBER_S, USAGE_STREAM, UsageSettings, UsageSpool, record_call
 from routing.plan import plan_candidates
 from routing.registry import Registry
-from routing.slots import Scripts
+from routing.scripts import Scripts
 from tests.factories import usage_record
 from tiers.policy import Tier
 
@@ -265,7 +265,7 @@ async def test_release_of_a_local_lease_spools_the_record(
     spool = spool_at(tmp_path / "spool.jsonl")
     adm = admission(usage_redis, spool, on_outage="local")
     local = Lease("t-ledger-local", "m", "", "gw:acct:{t-ledger}", 0.0, local=True)
-    adm.local.take("m", Tier.DEFAULT, 1)
+    adm.holdings.held[local.id] = local
     flat = usage_fields()
     await bounded(adm.release(local, flat))
     assert spool.take()[0] == [{**flat, "attempt": "t-ledger-local"}]

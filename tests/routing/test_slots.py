@@ -1,4 +1,5 @@
-"""The admission scripts (SPEC 4) at the Redis level: grants, ceilings, queue order, sweep."""
+"""The admission scripts (SPEC 4) at the Redis level: grants, ceilings, queue order, the
+sweep's write-back of what Redis lost, claim times, and batches after a script flush."""
 
 from __future__ import annotations
 
@@ -10,23 +11,27 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
+from routing.scripts import Scripts
 from routing.slots import (
     BUSY,
     FULL,
     GRANTED,
     QUEUED,
+    RANK,
     Attempt,
     ModelSlots,
-    Scripts,
+    Sweep,
+    Timing,
     account_key,
     attempt,
+    sweep_result,
     text,
 )
 from tiers.policy import Tier
 
 A, B = "http://a:8000", "http://b:8000"
 TTL_MS = 30_000
-WAIT_MS = 30_000
+TIMING = Timing(lease_ttl_ms=TTL_MS, claim_ms=2_000, waiter_ttl_ms=3_000)
 
 
 def slots(
@@ -34,10 +39,11 @@ def slots(
     *,
     max_queue: int = 10,
     flex: float = 0.8,
+    priority: float = 1.0,
     model: str = "m",
 ) -> ModelSlots:
-    utilization = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
-    made = ModelSlots(model, utilization, max_queue, TTL_MS)
+    utilization = {Tier.PRIORITY: priority, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
+    made = ModelSlots(model, utilization, max_queue, TIMING)
     made.set_endpoints([(url, size, 0.0) for url, size in endpoints])
     return made
 
@@ -61,19 +67,34 @@ class Model:
         may_wait: bool = False,
         affinity: Sequence[str] | None = None,
     ) -> Attempt:
-        call = self.slots.acquire(
-            lease_id, tier, may_wait=may_wait, wait_ms=WAIT_MS, affinity=affinity
-        )
+        call = self.slots.acquire(lease_id, tier, may_wait=may_wait, affinity=affinity)
         return attempt(await self.run(call))
 
-    async def release(self, lease_id: str) -> int:
-        return int(await self.run(self.slots.release(lease_id)))
+    async def release(self, *ids: str) -> int:
+        return int(await self.run(self.slots.release(ids)))
 
     async def cancel(self, waiter_id: str) -> str:
         return text(await self.run(self.slots.cancel(waiter_id)))
 
-    async def sweep(self) -> list[int]:
-        return [int(v) for v in await self.run(self.slots.sweep())]
+    async def sweep(
+        self,
+        leases: Sequence[tuple[str, str]] = (),
+        waiters: Sequence[tuple[str, int]] = (),
+    ) -> Sweep:
+        return sweep_result(await self.run(self.slots.sweep(leases, waiters)))
+
+    async def state(self) -> list[int]:
+        """A sweep holding nothing: [inflight, queued p/d/f, freed]."""
+        state = (await self.sweep()).state
+        queued = [state.queued[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        return [state.inflight, *queued, state.freed]
+
+    async def expiry(self, lease_id: str) -> float | None:
+        return await self.client.zscore(self.slots.keys[0], lease_id)
+
+    async def now_ms(self) -> int:
+        seconds, micros = await self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
 
     async def leases(self) -> set[str]:
         return {text(m) for m in await self.client.zrange(self.slots.keys[0], 0, -1)}
@@ -129,8 +150,7 @@ async def test_smoke_grant_busy_queue_release(any_redis: aioredis.Redis) -> None
     assert await m.release("l1") == 1  # handed on to the waiter
     assert await m.leases() == {"l2", "w1"}
     assert await m.queue() == []
-    assert await m.release("l2") == 0
-    assert await m.release("w1") == 0
+    assert await m.release("l2", "w1") == 0
     assert await m.leases() == set()
     assert await m.load() == {A: 0, B: 0}
 
@@ -249,15 +269,21 @@ async def test_better_tier_passes_a_flex_waiter_held_back_by_its_ceiling(
     assert await m.queue() == ["flex"]
 
 
-async def test_queue_full(real_redis: aioredis.Redis) -> None:
+async def test_queue_full_counts_the_waiters_ahead(real_redis: aioredis.Redis) -> None:
     m = Model(real_redis, slots(max_queue=2))
     await m.acquire("l1")
     await m.acquire("l2")
-    assert (await m.acquire("w1", may_wait=True)).status == QUEUED
-    assert (await m.acquire("w2", Tier.FLEX, may_wait=True)).status == QUEUED
-    full = await m.acquire("w3", Tier.PRIORITY, may_wait=True)
+    assert (await m.acquire("f1", Tier.FLEX, may_wait=True)).status == QUEUED
+    assert (await m.acquire("f2", Tier.FLEX, may_wait=True)).status == QUEUED
+    full = await m.acquire("f3", Tier.FLEX, may_wait=True)
     assert (full.status, full.endpoint, full.ahead) == (FULL, "", 2)
-    assert await m.queue() == ["w1", "w2"]
+    # Flex waiters never make a better tier's queue full: it waits ahead of them.
+    assert (await m.acquire("d1", Tier.DEFAULT, may_wait=True)).status == QUEUED
+    assert (await m.acquire("p1", Tier.PRIORITY, may_wait=True)).status == QUEUED
+    assert (await m.acquire("d2", Tier.DEFAULT, may_wait=True)).status == FULL  # p1, d1 ahead
+    assert (await m.acquire("p2", Tier.PRIORITY, may_wait=True)).status == QUEUED
+    assert (await m.acquire("p3", Tier.PRIORITY, may_wait=True)).status == FULL
+    assert await m.queue() == ["p1", "p2", "d1", "f1", "f2"]
 
 
 async def test_cancel_queued_then_granted(real_redis: aioredis.Redis) -> None:
@@ -282,7 +308,7 @@ async def test_sweep_reclaims_expired_leases(real_redis: aioredis.Redis) -> None
     await m.acquire("l2")
     await m.expire_lease("l1")
     await m.expire_lease("l2")
-    assert await m.sweep() == [0, 0, 0, 0, 2]
+    assert await m.state() == [0, 0, 0, 0, 2]
     assert await m.leases() == set()
     assert await m.load() == {A: 0, B: 0}
     assert await real_redis.hlen(m.slots.keys[2]) == 0
@@ -297,9 +323,9 @@ async def test_sweep_hands_reclaimed_slots_to_waiters_and_reports_queues(
     await m.acquire("p", Tier.PRIORITY, may_wait=True)
     await m.acquire("d", Tier.DEFAULT, may_wait=True)
     await m.acquire("f", Tier.FLEX, may_wait=True)
-    assert await m.sweep() == [2, 1, 1, 1, 0]
+    assert await m.state() == [2, 1, 1, 1, 0]
     await m.expire_lease("l1")
-    assert await m.sweep() == [2, 0, 1, 1, 1]
+    assert await m.state() == [2, 0, 1, 1, 1]
     assert await m.leases() == {"l2", "p"}
 
 
@@ -310,23 +336,10 @@ async def test_sweep_drops_waiters_past_their_give_up_time(real_redis: aioredis.
     await m.acquire("gone", may_wait=True)
     await m.acquire("alive", may_wait=True)
     await real_redis.zadd(m.slots.keys[6], {"gone": 1}, xx=True)
-    assert await m.sweep() == [2, 0, 1, 0, 0]
+    assert await m.state() == [2, 0, 1, 0, 0]
     assert await m.queue() == ["alive"]
     assert await m.release("l1") == 1
     assert await m.leases() == {"l2", "alive"}
-
-
-async def test_refresh_pushes_existing_leases_only(real_redis: aioredis.Redis) -> None:
-    m = Model(real_redis, slots())
-    await m.acquire("kept")
-    await m.acquire("released")
-    await m.release("released")
-    await m.expire_lease("kept")
-    assert int(await m.run(m.slots.refresh(["kept", "released", "never"]))) == 1
-    assert (await real_redis.zscore(m.slots.keys[0], "kept") or 0) > 1
-    assert await real_redis.zscore(m.slots.keys[0], "released") is None
-    assert await m.sweep() == [1, 0, 0, 0, 1]
-    assert await m.leases() == {"kept"}
 
 
 async def test_account_limit(real_redis: aioredis.Redis) -> None:
@@ -351,13 +364,183 @@ async def test_execute_recovers_from_a_flushed_script_cache(real_redis: aioredis
     replies = await m.scripts.execute(
         real_redis,
         [
-            m.slots.acquire("l1", Tier.DEFAULT, may_wait=False, wait_ms=WAIT_MS),
+            m.slots.acquire("l1", Tier.DEFAULT, may_wait=False),
             ("ZCARD", [m.slots.keys[0]], []),
         ],
     )
     assert attempt(replies[0]).status == GRANTED
-    assert int(replies[1]) == 1
+    # The plain command ran in the first round trip and was not sent again.
+    assert int(replies[1]) == 0
+    assert await real_redis.zcard(m.slots.keys[0]) == 1
     assert all(await real_redis.script_exists(*m.scripts.sha.values()))
+
+
+async def test_a_flush_resends_only_the_calls_that_did_not_run(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Redis loaded one script but not the other (e.g. a failover between two loads): the
+    account call ran, the acquire did not; only the acquire is resent, so the account
+    counts the request once."""
+    m = Model(real_redis, slots())
+    await real_redis.script_flush()
+    account_text = m.scripts._text["account"]
+    assert text(await real_redis.script_load(account_text)) == m.scripts.sha["account"]
+    key = account_key("t-once")
+    replies = await m.scripts.submit(
+        real_redis,
+        [
+            ("account", [key], ["l1", 5, TTL_MS]),
+            m.slots.acquire("l1", Tier.DEFAULT, may_wait=False),
+        ],
+    )
+    assert int(replies[0]) == 1
+    assert attempt(replies[1]).status == GRANTED
+    assert await real_redis.zcard(key) == 1
+
+
+async def test_a_failing_call_leaves_the_others_replies_in_place(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots())
+    await real_redis.set("t-not-a-zset", "x")
+    replies = await m.scripts.submit(
+        real_redis,
+        [m.slots.acquire("l1", Tier.DEFAULT, may_wait=False), ("ZCARD", ["t-not-a-zset"], [])],
+    )
+    assert attempt(replies[0]).status == GRANTED
+    assert isinstance(replies[1], Exception)
+    await real_redis.delete("t-not-a-zset")
+
+
+# --- what Redis lost, written back by its holders --------------------------------------------
+
+
+async def test_sweep_writes_back_leases_redis_lost(any_redis: aioredis.Redis) -> None:
+    m = Model(any_redis, slots())
+    assert (await m.acquire("l1", affinity=[A])).endpoint == A
+    await any_redis.flushdb()  # Redis restarted empty
+    found = await m.sweep(leases=[("l1", A), ("l2", B)])
+    assert found.restored == ["l1", "l2"]
+    assert found.state.inflight == 2
+    assert await m.load() == {A: 1, B: 1}
+    assert (await m.acquire("n")).status == BUSY  # counted again: no over-admission
+    again = await m.sweep(leases=[("l1", A), ("l2", B)])
+    assert again.restored == []  # kept alive, not written twice
+    assert await m.load() == {A: 1, B: 1}
+
+
+async def test_sweep_keeps_leases_alive(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    soon = await m.now_ms() + 1000
+    await real_redis.zadd(m.slots.keys[0], {"l1": soon}, xx=True)
+    await m.sweep(leases=[("l1", A)])
+    assert (await m.expiry("l1") or 0) > soon + 20_000
+
+
+async def test_sweep_requeues_lost_waiters_at_their_place(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    places = {}
+    for waiter, tier in (("d1", Tier.DEFAULT), ("p1", Tier.PRIORITY), ("d2", Tier.DEFAULT)):
+        queued = await m.acquire(waiter, tier, may_wait=True)
+        places[waiter] = tier.rank * RANK + queued.place
+    await real_redis.flushdb()
+    # A newcomer arrives before the sweep: it waits, but behind the older waiters once they
+    # are back (the sequence is moved past theirs).
+    held = [("l1", A), ("l2", B)]
+    found = await m.sweep(leases=held, waiters=[(w, p) for w, p in places.items()])
+    assert found.granted == ["", "", ""]
+    assert await m.queue() == ["p1", "d1", "d2"]
+    late = await m.acquire("late", Tier.DEFAULT, may_wait=True)
+    assert late.status == QUEUED
+    assert await m.queue() == ["p1", "d1", "d2", "late"]
+    assert await m.release("l1") == 1
+    assert "p1" in await m.leases()
+
+
+async def test_sweep_claims_a_grant_whose_wake_up_was_lost(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    queued = await m.acquire("w", may_wait=True)
+    place = Tier.DEFAULT.rank * RANK + queued.place
+    await m.release("l1")  # granted to w, for the claim time only
+    granted_until = await m.expiry("w")
+    assert granted_until is not None and granted_until <= await m.now_ms() + TIMING.claim_ms
+    found = await m.sweep(waiters=[("w", place)])
+    assert found.granted == [A] or found.granted == [B]
+    assert (await m.expiry("w") or 0) > await m.now_ms() + TIMING.claim_ms  # claimed
+
+
+async def test_unclaimed_grant_goes_back_after_the_claim_time(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    await m.acquire("dead", may_wait=True)  # its replica is gone: nobody will claim
+    await m.acquire("live", may_wait=True)
+    await m.release("l1")
+    assert "dead" in await m.leases()
+    await m.expire_lease("dead")  # the claim time has passed
+    assert await m.state() == [2, 0, 0, 0, 2]
+    assert await m.leases() == {"l2", "live"}
+
+
+async def test_waiters_nobody_keeps_alive_leave_the_queue(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    kept = await m.acquire("kept", may_wait=True)
+    await m.acquire("dead", may_wait=True)
+    await real_redis.zadd(m.slots.keys[6], {"kept": 1, "dead": 1}, xx=True)  # both stale...
+    place = Tier.DEFAULT.rank * RANK + kept.place
+    await m.sweep(waiters=[("kept", place)])  # ...but kept's replica is alive and says so
+    assert await m.queue() == ["kept"]
+
+
+async def test_a_low_priority_ceiling_does_not_stall_default_waiters(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 4)], priority=0.5))
+    for i in range(4):
+        await m.acquire(f"l{i}")
+    assert (await m.acquire("p", Tier.PRIORITY, may_wait=True)).status == QUEUED
+    assert (await m.acquire("d", Tier.DEFAULT, may_wait=True)).status == QUEUED
+    await m.release("l0")  # 3 in flight: over priority's ceiling of 2, under default's 4
+    assert "d" in await m.leases()
+    assert await m.queue() == ["p"]
+    await m.release("l1", "l2", "d")  # 1 in flight
+    assert "p" in await m.leases()
+
+
+async def test_move_keeps_the_slot_from_the_queue(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots([(A, 1), (B, 2)]))
+    assert (await m.acquire("l1", affinity=[A])).endpoint == A
+    await m.acquire("l2", affinity=[B])
+    await m.acquire("l3", affinity=[B])
+    assert (await m.acquire("w", may_wait=True)).status == QUEUED
+    await m.release("l3")  # B has room now, and w took it
+    assert await m.load() == {A: 1, B: 2}
+    assert text(await m.run(m.slots.move("l1", A))) == ""  # nowhere to go: stays on A
+    await m.release("w")
+    assert text(await m.run(m.slots.move("l1", A))) == B
+    assert await m.load() == {A: 0, B: 2}
+    assert await m.queue() == []
+
+
+async def test_account_keep_writes_back_lost_entries(real_redis: aioredis.Redis) -> None:
+    scripts = Scripts()
+    key = account_key("t-keep")
+    await scripts.run(real_redis, ("account", [key], ["a1", 5, TTL_MS]))
+    await real_redis.delete(key)
+    restored = await scripts.run(real_redis, ("account_keep", [key], [TTL_MS, "a1", "a2"]))
+    assert [text(r) for r in restored] == ["a1", "a2"]
+    assert [
+        text(r) for r in await scripts.run(real_redis, ("account_keep", [key], [TTL_MS, "a1"]))
+    ] == []
+    assert await real_redis.zcard(key) == 2
+    await real_redis.delete(key)
 
 
 async def test_equal_loads_take_turns(real_redis: aioredis.Redis) -> None:

@@ -1,0 +1,50 @@
+"""Retry-After: when a slot is likely free for a newcomer (SPEC 4: an estimate, not a constant).
+
+Two views of how fast a model frees slots, and the faster one wins:
+- the fleet's measured rate: the `freed` counter in Redis, read by every sweep, smoothed;
+- a floor from how long requests hold a slot here (smoothed hold times at release):
+  a model whose `capacity` slots are busy frees about capacity / hold time per second.
+The floor keeps the estimate honest after an idle spell, when the measured rate has decayed
+towards zero although slots will free every second again as soon as traffic resumes.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Past this, a computed Retry-After says more about noise than about the queue.
+MAX_RETRY_AFTER_S = 60
+# Weight of the newest sample in the smoothed values.
+WEIGHT = 0.3
+
+
+class RetryAfter:
+    def __init__(self) -> None:
+        self.freed_rate: dict[str, float] = {}
+        self.hold_s: dict[str, float] = {}
+        self._last_freed: dict[str, tuple[float, int]] = {}
+
+    def freed(self, model: str, now: float, total: int) -> None:
+        """The fleet's `freed` counter of `model`, read at `now` (seconds)."""
+        previous = self._last_freed.get(model)
+        self._last_freed[model] = (now, total)
+        if previous is None or now <= previous[0] or total < previous[1]:
+            return  # first reading, or the counter restarted with Redis
+        sample = (total - previous[1]) / (now - previous[0])
+        old = self.freed_rate.get(model)
+        self.freed_rate[model] = sample if old is None else old + WEIGHT * (sample - old)
+
+    def held(self, model: str, seconds: float) -> None:
+        """A request of `model` held its slot this long."""
+        old = self.hold_s.get(model)
+        self.hold_s[model] = seconds if old is None else old + WEIGHT * (seconds - old)
+
+    def seconds(self, model: str, ahead: int, capacity: int) -> int:
+        """Whole seconds until a slot is likely free with `ahead` waiters in front."""
+        rate = self.freed_rate.get(model, 0.0)
+        hold = self.hold_s.get(model)
+        if hold is not None and capacity > 0:
+            rate = max(rate, capacity / max(hold, 0.001))
+        if rate <= 0.0:
+            return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))

@@ -1,0 +1,165 @@
+"""The Lua scripts of admission, registered once and run by EVALSHA, in batches.
+
+A batch is several calls sent in one round trip. Its replies come back one per call, with
+a call's own error reply (a NOSCRIPT, an OOM refusal, a script error) as an exception
+object in its place, so that whoever sent the batch can give back what the other calls
+took. A lost connection or a missed deadline fails the whole batch instead.
+
+Not redis-py's `register_script`: its pipelines ask SCRIPT EXISTS before every execute, a
+second round trip on the hot path. Here a NOSCRIPT reply (Redis restarted empty) reloads the
+scripts and resends only the calls that got it: the others already ran and must not run
+twice (a second `account` call would count the request twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from functools import partial
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import DataError, NoScriptError
+
+from routing.resp import RespClient
+
+# One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
+# Redis command (e.g. ZREM) with KEYS and ARGV as its arguments.
+Call = tuple[str, Sequence[str], Sequence[Any]]
+
+# Where the scripts run: the lean pipelining client, or redis-py (memory://, rediss://).
+Store = RespClient | aioredis.Redis
+
+_PRELUDED = ("acquire", "release", "cancel", "claim", "sweep", "move")
+_PLAIN = ("account", "account_keep", "heartbeat", "usage")
+
+
+def _lua(name: str) -> str:
+    return resources.files("routing").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def first_error(replies: Sequence[Any]) -> Exception | None:
+    return next((r for r in replies if isinstance(r, Exception)), None)
+
+
+class Scripts:
+    def __init__(self, command_timeout_s: float = 2.0) -> None:
+        prelude = _lua("prelude.lua")
+        self._text = {n: prelude + _lua(f"{n}.lua") for n in _PRELUDED}
+        self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
+        self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
+        # Bounds the redis-py path as a whole (the RESP client has its own deadline).
+        self._timeout = command_timeout_s
+
+    async def load(self, client: Store) -> None:
+        if isinstance(client, RespClient):
+            replies = await client.send([("SCRIPT", "LOAD", t) for t in self._text.values()])
+        else:
+            async with asyncio.timeout(self._timeout):
+                replies = [await client.script_load(t) for t in self._text.values()]
+        for name, sha in zip(self._text, replies, strict=True):
+            if isinstance(sha, Exception):
+                raise sha
+            if (sha.decode() if isinstance(sha, bytes) else sha) != self.sha[name]:
+                raise RuntimeError(f"script {name}: Redis computed another sha1")
+
+    def submit(self, client: Store, calls: Sequence[Call]) -> asyncio.Future[list[Any]]:
+        """Send the calls in one round trip, now; the future gets one reply per call (error
+        replies in place). They are on their way even if whoever awaits is cancelled."""
+        if not isinstance(client, RespClient):
+            return asyncio.ensure_future(self._send(client, calls))
+        # The hot path: written in this tick, no task per call.
+        outer: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        try:
+            sent = client.send(self._commands(calls))
+        except UnicodeError as exc:  # an argument Redis could not be sent: not an outage
+            outer.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
+            return outer
+        sent.add_done_callback(partial(self._settle, client, calls, outer))
+        return outer
+
+    def _settle(
+        self,
+        client: RespClient,
+        calls: Sequence[Call],
+        outer: asyncio.Future[list[Any]],
+        done: asyncio.Future[list[Any]],
+    ) -> None:
+        if outer.done():
+            return
+        if done.cancelled():
+            outer.cancel()
+        elif (exc := done.exception()) is not None:
+            outer.set_exception(exc)
+        elif any(isinstance(r, NoScriptError) for r in done.result()):
+            retry = asyncio.ensure_future(self._resend_missing(client, calls, done.result()))
+            retry.add_done_callback(partial(_chain, outer))
+        else:
+            outer.set_result(done.result())
+
+    async def run(self, client: Store, call: Call) -> Any:
+        """One call; its error reply raised."""
+        reply = (await self.submit(client, [call]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def execute(self, client: Store, calls: Sequence[Call]) -> list[Any]:
+        """Several calls; the first error reply raised (for callers with nothing to undo)."""
+        replies = await self.submit(client, calls)
+        if (error := first_error(replies)) is not None:
+            raise error
+        return replies
+
+    async def _send(self, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
+        replies = await self._pipeline(client, self._commands(calls))
+        if any(isinstance(r, NoScriptError) for r in replies):
+            replies = await self._resend_missing(client, calls, replies)
+        return replies
+
+    async def _resend_missing(
+        self, client: Store, calls: Sequence[Call], replies: list[Any]
+    ) -> list[Any]:
+        """Redis lost its scripts (restart, failover, SCRIPT FLUSH): load them, then resend
+        only the calls that did not run."""
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        await self.load(client)
+        commands = self._commands([calls[i] for i in missing])
+        if isinstance(client, RespClient):
+            again = await client.send(commands)
+        else:
+            again = await self._pipeline(client, commands)
+        merged = list(replies)
+        for i, reply in zip(missing, again, strict=True):
+            merged[i] = reply
+        return merged
+
+    async def _pipeline(self, client: aioredis.Redis, commands: list[list[Any]]) -> list[Any]:
+        async with asyncio.timeout(self._timeout):
+            pipe = client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=False))
+
+    def _commands(self, calls: Sequence[Call]) -> list[list[Any]]:
+        commands = []
+        for name, keys, args in calls:
+            sha = self.sha.get(name)
+            if sha is None:
+                commands.append([name, *keys, *args])
+            else:
+                commands.append(["EVALSHA", sha, len(keys), *keys, *args])
+        return commands
+
+
+def _chain(target: asyncio.Future[list[Any]], source: asyncio.Future[list[Any]]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
