@@ -19,14 +19,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from routing.admission import STORE_ERRORS, Admission
-from routing.resp import RespClient
 from routing.slots import Call, ModelState, model_state, text
 
 log = logging.getLogger("gateway.admission")
 
 REPLICAS_KEY = "gw:replicas"
-# A Redis call unanswered this long means a hung server or a dead link: drop the connection.
-STALLED_S = 5.0
 # Weight of the newest sample in the freed-slots rate (per sweep).
 RATE_WEIGHT = 0.3
 
@@ -78,8 +75,6 @@ class Keeper:
         calls += self._refresh_calls()
         lost = self._waiting_by_model()
         calls += [("HMGET", [adm.slots[m].granted_key], ids) for m, ids in lost.items()]
-        if isinstance(adm.store, RespClient) and adm.store.fail_stalled(STALLED_S):
-            log.warning("Redis did not answer for %ss; reconnecting", STALLED_S)
         replies = await adm.scripts.execute(adm.store, calls)
         now = asyncio.get_running_loop().time()
         for model, reply in zip(models, replies, strict=False):
