@@ -8,6 +8,7 @@ through a small Starlette app.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -91,8 +92,10 @@ class GatewayApp:
 
     async def _readyz(self, request: Request) -> Response:
         try:
-            await self.state.redis.ping()
-        except (RedisError, OSError):
+            # A stalled Redis keeps the connection open: without a deadline this would hang.
+            async with asyncio.timeout(self.state.config.redis.command_timeout_s):
+                await self.state.redis.ping()
+        except (RedisError, OSError):  # OSError includes the deadline's TimeoutError
             return _json(
                 {"status": "unavailable", "reason": "store (redis) unreachable"}, request, 503
             )
