@@ -139,7 +139,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         return 0
 
     async def create() -> str:
-        redis = connect(config.redis.url)
+        redis = connect(config.redis.url, command_timeout_s=config.redis.command_timeout_s)
         try:
             tiers = [Tier(t) for t in args.tiers] if args.tiers else None
             return await create_key(
@@ -177,7 +177,7 @@ def _usage_export(args: argparse.Namespace) -> int:
         return 2
 
     async def run() -> int:
-        redis = connect(config.redis.url)
+        redis = connect(config.redis.url, command_timeout_s=config.redis.command_timeout_s)
         try:
             return await export(redis, args.since, args.format, by, sys.stdout)
         finally:

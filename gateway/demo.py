@@ -34,7 +34,7 @@ async def run_demo(port: int, host: str = "127.0.0.1") -> None:
         "GATEWAY_DEMO_WORKER_B": f"http://127.0.0.1:{worker_ports[1]}",
     }
     config = parse_config(packaged_config("demo.yaml"), "demo.yaml", environ)
-    redis = connect("memory://")
+    redis = connect("memory://", command_timeout_s=config.redis.command_timeout_s)
     key = await create_key(redis, "demo", max_concurrency=50)
     state = GatewayState(config, redis=redis)
     sim = SimOptions(models=DEMO_MODELS, **DEMO_SIM)  # type: ignore[arg-type]

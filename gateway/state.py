@@ -39,7 +39,10 @@ class GatewayState:
         self.config_path = config_path
         self.registry = Registry(config.models)
         self.pools = Pools(self.registry)
-        self.redis = redis if redis is not None else connect(config.redis.url)
+        timeout_s = config.redis.command_timeout_s
+        self.redis = (
+            redis if redis is not None else connect(config.redis.url, command_timeout_s=timeout_s)
+        )
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
         self.keys = KeyStore(config.keys, self.redis)
@@ -51,7 +54,7 @@ class GatewayState:
             config.tiers,
             lease_ttl_s=config.redis.lease_ttl_s,
             on_outage=config.redis.on_outage,
-            store=script_store(config.redis.url, self.redis),
+            store=script_store(config.redis.url, self.redis, timeout_s),
             spool=UsageSpool(config.usage),
             sweep_interval_s=interval,
             command_timeout_s=timeout,

@@ -33,6 +33,7 @@ from routing.ledger import FLUSH_BATCH, UsageSpool, record_call
 from routing.outage import LocalShares
 from routing.plan import Candidate
 from routing.registry import Model, Registry
+from routing.resp import NotSent
 from routing.scripts import Scripts, Store, first_error
 from routing.slots import (
     BUSY,
@@ -417,15 +418,19 @@ class Admission:
             work.add_done_callback(partial(self._late, lease_id, model, account))
             self._track(work)
             raise
-        except STORE_ERRORS:
-            self.holdings.doubt(lease_id, model, account)
+        except STORE_ERRORS as exc:
+            if not isinstance(exc, NotSent):
+                self.holdings.doubt(lease_id, model, account)
             raise
 
     def _late(
         self, lease_id: str, model: str, account: str | None, work: asyncio.Future[Any]
     ) -> None:
-        if work.cancelled() or work.exception() is not None:
+        if work.cancelled():
             self.holdings.doubt(lease_id, model, account)
+        elif (exc := work.exception()) is not None:
+            if not isinstance(exc, NotSent):
+                self.holdings.doubt(lease_id, model, account)
         else:
             self._give_back(lease_id, model, account)
 

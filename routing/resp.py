@@ -3,9 +3,18 @@
 Redis answers the commands of a connection in the order it received them, so one TCP
 connection can carry the calls of every concurrent request at once: each call writes its
 commands straight to the socket and gets a future resolved, in FIFO order, when its replies
-have been parsed (hiredis, in C). No connection-pool checkout, lock, per-call timeout or task
-per call (redis-py spends more than the Lua scripts themselves on those, DESIGN.md). A call
-that never gets an answer is failed by `fail_stalled`, which the keeper runs every sweep.
+have been parsed (hiredis, in C). No connection-pool checkout, lock, or timer or task per
+call (redis-py spends more than the Lua scripts themselves on those, DESIGN.md).
+
+Deadlines: every call must be answered within `command_timeout_s` of being sent. Replies
+come in order, so only the oldest pending call can be late first: one timer per connection,
+set for the oldest call's deadline, checks it. If that call is late, Redis is stalled (a
+SIGSTOP or a hung host keeps the TCP connection open): the connection is dropped, every
+pending call fails with `TimeoutError`, and the next call connects again by itself.
+
+Bounds: at most `max_pending` calls wait for replies and at most `max_buffer_bytes` wait to
+be written; past either, a call fails at once with `ConnectionError` (an outage answer)
+without being written. TCP keepalive finds a peer that vanished without a FIN.
 
 Used for redis:// and unix:// URLs; everything else (memory://, rediss://) goes through
 redis-py. Errors are redis-py's exception types, so callers catch one family.
@@ -14,7 +23,7 @@ redis-py. Errors are redis-py's exception types, so callers catch one family.
 from __future__ import annotations
 
 import asyncio
-import time
+import socket
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
@@ -22,10 +31,34 @@ from urllib.parse import unquote, urlparse
 
 import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = Sequence[Any]
+
+# Far above what a healthy Redis ever has in flight from one replica (it runs 10,000 small
+# scripts in well under a second, and a request has at most a couple of calls out), yet small
+# in memory (a future and a short list each). Reaching it means Redis is far behind: failing
+# the call at once as an outage beats queueing it behind calls that will time out anyway.
+MAX_PENDING = 10_000
+# What may sit unsent in this process when Redis stops reading (the kernel's socket buffer
+# holds more before that): admission calls are a few hundred bytes, so this is thousands.
+MAX_BUFFER_BYTES = 16 * 1024 * 1024
+# Probe an idle connection after 10 s, every 5 s, give up after 3 misses: a Redis host that
+# vanished (no FIN, no RST) is noticed in about 25 s even on a connection with no calls.
+KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+
+
+def keepalive_options() -> dict[int, int]:
+    """TCP keepalive timings this platform knows, as redis-py's `socket_keepalive_options`."""
+    return {getattr(socket, n): v for n, v in KEEPALIVE if hasattr(socket, n)}
+
+
+def set_keepalive(sock: Any) -> None:
+    """Keepalive on a TCP socket (a stdlib socket, or uvloop's socket-like object)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in keepalive_options().items():
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def pack(commands: Sequence[Command]) -> bytes:
@@ -53,35 +86,88 @@ def _error(reply: hiredis.ReplyError) -> ResponseError:
     return ResponseError(message)
 
 
+class NotSent(RedisConnectionError):
+    """The calls never left this process (no connection, or too many calls waiting):
+    Redis did nothing of them, so there is nothing to undo."""
+
+
+def _timeout(limit_s: float) -> RedisTimeoutError:
+    return RedisTimeoutError(f"Redis did not answer within {limit_s:g} s")
+
+
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float, max_pending: int, max_buffer_bytes: int) -> None:
+        self._loop = asyncio.get_running_loop()
         self._reader = hiredis.Reader()
+        # (future, replies expected, replies so far, deadline on the loop's clock)
         self._pending: deque[tuple[asyncio.Future[list[Any]], int, list[Any], float]] = deque()
         self._transport: asyncio.Transport | None = None
+        self._timeout_s = timeout_s
+        self._max_pending = max_pending
+        self._max_buffer = max_buffer_bytes
+        # At most one, set for the oldest pending call's deadline (or an earlier one's).
+        self._timer: asyncio.TimerHandle | None = None
         # Calls of one loop tick leave in one write: with many requests in flight this turns
         # a syscall per call into one per tick, at the cost of one tick of latency.
         self._out: list[bytes] = []
+        self._out_bytes = 0
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but they write alike.
         self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            set_keepalive(sock)
 
-    def send(self, payload: bytes, count: int) -> asyncio.Future[list[Any]]:
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        if self.closed or self._transport is None:
-            future.set_exception(RedisConnectionError("connection to Redis lost"))
+    def send(
+        self, payload: bytes, count: int, deadline: float | None = None
+    ) -> asyncio.Future[list[Any]]:
+        """Queue `payload` (`count` commands) for this tick's write. `deadline` (loop clock)
+        defaults to `command_timeout_s` from now."""
+        loop = self._loop
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        transport = self._transport
+        if self.closed or transport is None:
+            future.set_exception(NotSent("connection to Redis lost"))
             return future
-        self._pending.append((future, count, [], time.monotonic()))
+        pending = self._pending
+        if (
+            len(pending) >= self._max_pending
+            or self._out_bytes + transport.get_write_buffer_size() >= self._max_buffer
+        ):
+            future.set_exception(NotSent("too many calls waiting for Redis"))
+            return future
+        if deadline is None:
+            deadline = loop.time() + self._timeout_s
+        elif pending and pending[-1][3] > deadline:
+            deadline = pending[-1][3]  # keep deadlines in reply order: the head is due first
+        elif self._timer is not None and self._timer.when() > deadline:
+            self._timer.cancel()  # set for a later call already answered: this one is due first
+            self._timer = None
+        pending.append((future, count, [], deadline))
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._check_deadline)
         if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop.call_soon(self._flush)
         self._out.append(payload)
+        self._out_bytes += len(payload)
         return future
 
     def _flush(self) -> None:
-        out, self._out = self._out, []
-        if self._transport is not None and not self.closed:
+        out, self._out, self._out_bytes = self._out, [], 0
+        if self._transport is not None and not self.closed and out:
             self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if self.closed or not self._pending:
+            return  # the next call sets the timer again
+        deadline = self._pending[0][3]
+        if self._loop.time() < deadline:  # set for a call answered since: wait for this one
+            self._timer = self._loop.call_at(deadline, self._check_deadline)
+            return
+        self.abort(_timeout(self._timeout_s))
 
     def data_received(self, data: bytes) -> None:
         reader = self._reader
@@ -89,7 +175,7 @@ class _Protocol(asyncio.Protocol):
         pending = self._pending
         while (reply := reader.gets()) is not False:
             if not pending:  # a reply nobody asked for: the stream is out of step
-                self.abort()
+                self.abort(RedisConnectionError("unexpected reply from Redis"))
                 return
             future, count, replies, _ = pending[0]
             replies.append(_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
@@ -99,25 +185,38 @@ class _Protocol(asyncio.Protocol):
                     future.set_result(replies)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._close(RedisConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
+
+    def abort(self, error: RedisError) -> None:
+        """Drop the connection now; calls still waiting fail with `error`."""
+        self._close(error)
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _close(self, error: RedisError) -> None:
         self.closed = True
-        error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed'}")
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._out, self._out_bytes = [], 0
         while self._pending:
             future = self._pending.popleft()[0]
             if not future.done():
                 future.set_exception(error)
 
-    def oldest_age(self, now: float) -> float:
-        return now - self._pending[0][3] if self._pending else 0.0
-
-    def abort(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-
 
 class RespClient:
     """One lazily (re)connected pipelining connection to a Redis server."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 2.0,
+        command_timeout_s: float = 2.0,
+        max_pending: int = MAX_PENDING,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
+    ) -> None:
         parsed = urlparse(url)
         self._unix = parsed.path if parsed.scheme == "unix" else None
         self._host = parsed.hostname or "127.0.0.1"
@@ -127,6 +226,8 @@ class RespClient:
         self._username = unquote(parsed.username) if parsed.username else None
         self._password = unquote(parsed.password) if parsed.password else None
         self._connect_timeout = connect_timeout_s
+        self._timeout = command_timeout_s
+        self._limits = (max_pending, max_buffer_bytes)
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
 
@@ -136,54 +237,76 @@ class RespClient:
 
     def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
         """Write the commands now; the future gets their replies (error replies as
-        exception objects in the list; a lost connection as the future's exception)."""
+        exception objects in the list; a lost connection, a full queue or a call not
+        answered within `command_timeout_s` as the future's exception)."""
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
             return protocol.send(pack(commands), len(commands))
-        return asyncio.ensure_future(self._send_connecting(commands))
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        return asyncio.ensure_future(self._send_connecting(commands, deadline))
 
-    async def _send_connecting(self, commands: Sequence[Command]) -> list[Any]:
+    async def _send_connecting(self, commands: Sequence[Command], deadline: float) -> list[Any]:
+        # The wait for a connection counts against the call's own deadline.
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
-        protocol = await asyncio.shield(self._connecting)
-        return await protocol.send(pack(commands), len(commands))
+        try:
+            async with asyncio.timeout_at(deadline):
+                protocol = await asyncio.shield(self._connecting)
+        except TimeoutError as exc:
+            raise NotSent(str(_timeout(self._timeout))) from exc
+        except RedisError as exc:
+            raise NotSent(str(exc)) from exc
+        if asyncio.get_running_loop().time() >= deadline:  # due already: spare the new link
+            raise NotSent(str(_timeout(self._timeout)))
+        return await protocol.send(pack(commands), len(commands), deadline)
 
     async def _connect(self) -> _Protocol:
-        loop = asyncio.get_running_loop()
         try:
+            # A stalled Redis still completes TCP handshakes (its kernel does) but never
+            # answers AUTH/SELECT: the whole setup is bounded, not only the handshake.
             async with asyncio.timeout(self._connect_timeout):
-                if self._unix is not None:
-                    _, protocol = await loop.create_unix_connection(_Protocol, self._unix)
-                else:
-                    _, protocol = await loop.create_connection(_Protocol, self._host, self._port)
-                setup: list[Command] = []
-                if self._password is not None:
-                    auth = [self._username, self._password] if self._username else [self._password]
-                    setup.append(["AUTH", *auth])
-                if self._db:
-                    setup.append(["SELECT", self._db])
-                if setup:
-                    for reply in await protocol.send(pack(setup), len(setup)):
-                        if isinstance(reply, Exception):
-                            protocol.abort()
-                            raise reply
-        except TimeoutError as exc:
-            raise RedisTimeoutError("connecting to Redis timed out") from exc
+                protocol = await self._open()
+        except TimeoutError as exc:  # before OSError: TimeoutError is one
+            raise RedisTimeoutError(
+                f"connecting to Redis timed out after {self._connect_timeout:g} s"
+            ) from exc
         except OSError as exc:
             raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
         self._protocol = protocol
         return protocol
 
-    def fail_stalled(self, limit_s: float) -> bool:
-        """Drop the connection if a call waited longer than `limit_s` (Redis hung): its
-        callers then fail like on any lost connection. True when it did."""
-        protocol = self._protocol
-        if protocol is not None and protocol.oldest_age(time.monotonic()) > limit_s:
-            protocol.abort()
-            return True
-        return False
+    async def _open(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+
+        def factory() -> _Protocol:
+            return _Protocol(self._timeout, *self._limits)
+
+        if self._unix is not None:
+            _, protocol = await loop.create_unix_connection(factory, self._unix)
+        else:
+            _, protocol = await loop.create_connection(factory, self._host, self._port)
+        try:
+            await self._setup(protocol)
+        except BaseException:  # a timeout or cancel too: never leave the socket open
+            protocol.abort(RedisConnectionError("connection setup failed"))
+            raise
+        return protocol
+
+    async def _setup(self, protocol: _Protocol) -> None:
+        setup: list[Command] = []
+        if self._password is not None:
+            auth = [self._username, self._password] if self._username else [self._password]
+            setup.append(["AUTH", *auth])
+        if self._db:
+            setup.append(["SELECT", self._db])
+        if setup:
+            for reply in await protocol.send(pack(setup), len(setup)):
+                if isinstance(reply, Exception):
+                    raise reply
 
     async def aclose(self) -> None:
+        if self._connecting is not None and not self._connecting.done():
+            self._connecting.cancel()
         if self._protocol is not None:
-            self._protocol.abort()
+            self._protocol.abort(RedisConnectionError("client closed"))
             self._protocol = None

@@ -6,11 +6,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.resp import RespClient
+from routing.resp import RespClient, keepalive_options
 
 
-def connect(url: str) -> aioredis.Redis:
-    """A client for `url`; `memory://` gives fakeredis in this process (one replica only)."""
+def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
+    """A client for `url` whose calls give up after `command_timeout_s` (a stalled Redis is
+    an outage, not a hang); `memory://` gives fakeredis in this process (one replica only)."""
     if url.startswith("memory://"):
         import fakeredis
 
@@ -19,23 +20,35 @@ def connect(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         url,
         socket_connect_timeout=2.0,
-        socket_timeout=5.0,
+        socket_timeout=command_timeout_s,
+        socket_keepalive=True,
+        socket_keepalive_options=keepalive_options(),
         health_check_interval=15,
         max_connections=512,
     )
 
 
-def script_store(url: str, client: aioredis.Redis) -> RespClient | aioredis.Redis:
+def script_store(
+    url: str, client: aioredis.Redis, command_timeout_s: float
+) -> RespClient | aioredis.Redis:
     """Where admission scripts run: the lean pipelining client for redis:// and unix://,
     else (memory://, rediss://) the redis-py `client`."""
-    return RespClient(url) if RespClient.supports(url) else client
+    if RespClient.supports(url):
+        return RespClient(url, command_timeout_s=command_timeout_s)
+    return client
 
 
 def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
     """A client for the one pub/sub subscription: no socket timeout, so a quiet channel is
-    not an error (redis-py #2807). memory:// shares the in-process server of `client`."""
+    not an error (redis-py #2807); keepalive finds a peer that vanished. memory:// shares
+    the in-process server of `client`."""
     if url.startswith("memory://"):
         return client
     return aioredis.Redis.from_url(
-        url, socket_connect_timeout=2.0, socket_timeout=None, health_check_interval=15
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=None,
+        socket_keepalive=True,
+        socket_keepalive_options=keepalive_options(),
+        health_check_interval=15,
     )

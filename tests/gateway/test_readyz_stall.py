@@ -1,0 +1,54 @@
+"""/readyz while Redis is stalled (SIGSTOP): a prompt 503, never a hang; ready again after."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import build_app
+from gateway.settings import parse_config
+from gateway.state import GatewayState
+from tests.redis_server import RedisServer
+
+CONFIG = """
+redis: {{url: "{url}", command_timeout_s: 0.3}}
+models:
+  m1:
+    endpoints: [{{url: "http://127.0.0.1:9", max_concurrency: 2}}]
+"""
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()  # resumes it first if paused
+
+
+async def test_readyz_is_503_while_redis_is_stalled(private_redis: RedisServer) -> None:
+    state = GatewayState(parse_config(CONFIG.format(url=private_redis.url), "stall.yaml"))
+    await asyncio.wait_for(state.start(), 10)
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+
+            async def readyz() -> httpx.Response:
+                return await asyncio.wait_for(http.get("/readyz"), 5)
+
+            assert (await readyz()).status_code == 200
+            private_redis.pause()
+            try:
+                stalled = await readyz()
+            finally:
+                private_redis.resume()
+            assert stalled.status_code == 503
+            assert stalled.json()["reason"] == "store (redis) unreachable"
+            assert (await readyz()).status_code == 200
+    finally:
+        await asyncio.wait_for(state.close(), 10)
