@@ -131,7 +131,10 @@ class Hop:
     async def _relay_stream(self, resp: UpstreamResponse) -> None:
         admitted, exchange, send = self._admitted, self._exchange, self._send
         model, tier = admitted.candidate.model.name, admitted.tier.value
-        rewriter = StreamRewriter(model, tier, exchange.include_usage, exchange.usage)
+        limit = self._state.config.limits.max_event_bytes
+        rewriter = StreamRewriter(
+            model, tier, exchange.include_usage, exchange.usage, max_event_bytes=limit
+        )
         chunks = aiter(resp.chunks())
         # The 200 goes out with the first event (one write, not two), and a worker that
         # fails before its first byte still gets a plain HTTP error, not an SSE one.
@@ -145,9 +148,8 @@ class Hop:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: GatewayError | None = None
         try:
-            events = rewriter.split(first)
+            out = rewriter.feed(first)
             while True:
-                out = b"".join([rewriter.rewrite(e) for e in events])
                 if out:
                     if exchange.first_byte is None:
                         exchange.first_byte = time.perf_counter()
@@ -157,7 +159,7 @@ class Hop:
                 chunk = await anext(chunks, None)
                 if chunk is None:
                     break
-                events = rewriter.split(chunk)
+                out = rewriter.feed(chunk)
         except GatewayError as exc:
             failure = exc
         except OSError as exc:  # the server could not write to the caller: it is gone
@@ -165,7 +167,8 @@ class Hop:
         await self._end_stream(rewriter, failure)
 
     async def _end_stream(self, rewriter: StreamRewriter, failure: GatewayError | None) -> None:
-        """A stream without [DONE] ends with an SSE error event (the 200 is already out)."""
+        """A stream without [DONE] ends with an SSE error event (the 200 is already out);
+        the rewriter has sent one already for a worker's error or an oversized event."""
         exchange, send = self._exchange, self._send
         if rewriter.error is None and not rewriter.done:
             failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
