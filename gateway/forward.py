@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.edge import ClientGone, Send, send_error, send_json
-from gateway.errors import GatewayError, UpstreamBroken, UpstreamUnavailable
+from gateway.errors import GatewayError, ServiceUnavailable, UpstreamBroken, UpstreamUnavailable
 from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
 from gateway.state import GatewayState
-from routing.admission import Admitted
+from routing.admission import STORE_ERRORS, Admitted
 from routing.endpoints import Endpoint
 from routing.upstream import UpstreamResponse
 
@@ -41,7 +41,9 @@ class Hop:
     """One admitted request's trip to a worker and back.
 
     A worker that cannot be reached before any byte went to the caller is taken out of
-    rotation and the request moves, once, to another endpoint of the same model.
+    rotation and the request moves, once, to another endpoint of the same model. So does a
+    lease on an endpoint this replica does not know (during a rolling config update another
+    replica's config may grant one); with nowhere to go, that request gets a 503.
     """
 
     def __init__(
@@ -59,13 +61,13 @@ class Hop:
         self._path = path
         self._body_for = body_for
         self._send = send
-        self._pool = state.pools.for_model(admitted.candidate.model.name)
-        lease = admitted.lease
-        self.endpoint = self._pool.pick() if lease.local else self._pool.by_url[lease.endpoint]
+        # Known once `run` found it (looked up then, not before: a reload may come between).
+        self.endpoint: Endpoint | None = None
 
     async def run(self) -> None:
         try:
-            resp = await self._open()
+            self.endpoint = await self._find_endpoint()
+            resp = await self._open(self.endpoint)
         except GatewayError as exc:
             await self._fail(exc)
             return
@@ -83,28 +85,54 @@ class Hop:
             endpoint.inflight -= 1
             resp.close()
 
-    async def _open(self) -> UpstreamResponse:
-        headers = _worker_headers(self.endpoint, self._exchange.rid)
+    async def _find_endpoint(self) -> Endpoint:
+        """The lease's endpoint as this replica knows it (retired ones included)."""
+        lease, pools = self._admitted.lease, self._state.pools
+        if lease.local:
+            endpoint = pools.pick(lease.model)
+        else:
+            endpoint = pools.find(lease.model, lease.endpoint)
+            if endpoint is None and await self._reroute(lease.endpoint):
+                endpoint = pools.find(lease.model, lease.endpoint)
+        if endpoint is None:
+            raise ServiceUnavailable(
+                f"No endpoint of {lease.model!r} known to this gateway has room (its config "
+                "is changing); retry shortly."
+            )
+        return endpoint
+
+    async def _reroute(self, away_from: str) -> bool:
+        """Move the lease to another endpoint of the model with room; False when none."""
         try:
-            return await self._post(headers)
+            return await self._state.admission.reroute(
+                self._admitted.lease, self._admitted.tier, away_from
+            )
+        except STORE_ERRORS:  # Redis away: this request cannot move; the lease still releases
+            return False
+
+    async def _open(self, endpoint: Endpoint) -> UpstreamResponse:
+        try:
+            return await self._post(endpoint)
         except UpstreamUnavailable:
-            self._state.health.unreachable(self.endpoint.url)
+            self._state.health.unreachable(endpoint.url)
             lease = self._admitted.lease
-            if lease.local or not await self._state.admission.reroute(
-                lease, self._admitted.tier, self.endpoint.url
-            ):
+            if lease.local or not await self._reroute(endpoint.url):
                 raise
             self._count_error(UpstreamUnavailable.__name__)
-            self.endpoint = self._pool.by_url[lease.endpoint]
+            moved = self._state.pools.find(lease.model, lease.endpoint)
+            if moved is None:
+                raise
+            self.endpoint = endpoint = moved
         try:
-            return await self._post(_worker_headers(self.endpoint, self._exchange.rid))
+            return await self._post(endpoint)
         except UpstreamUnavailable:
-            self._state.health.unreachable(self.endpoint.url)
+            self._state.health.unreachable(endpoint.url)
             raise
 
-    async def _post(self, headers: dict[str, str]) -> UpstreamResponse:
-        url = self.endpoint.url + self._path
-        return await self._state.upstream.post(url, self._body_for(self.endpoint), headers)
+    async def _post(self, endpoint: Endpoint) -> UpstreamResponse:
+        headers = _worker_headers(endpoint, self._exchange.rid)
+        url = endpoint.url + self._path
+        return await self._state.upstream.post(url, self._body_for(endpoint), headers)
 
     async def _fail(self, exc: GatewayError) -> None:
         self._exchange.status = exc.status
@@ -114,7 +142,8 @@ class Hop:
 
     def _count_error(self, kind: str) -> None:
         model = self._admitted.candidate.model.name
-        self._state.metrics.upstream_errors.labels(model, self.endpoint.url, kind).inc()
+        url = self.endpoint.url if self.endpoint is not None else self._admitted.lease.endpoint
+        self._state.metrics.upstream_errors.labels(model, url, kind).inc()
 
     async def _relay_answer(self, resp: UpstreamResponse) -> None:
         admitted, exchange = self._admitted, self._exchange

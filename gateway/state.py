@@ -110,7 +110,10 @@ class GatewayState:
         old_names = set(self.registry.names())
         self.config = config
         self.registry = Registry(config.models)
-        self.pools.apply(self.registry)
+        # Endpoints that leave stay known while leases still hold them (SPEC 4).
+        self.pools.apply(
+            self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
+        )
         self.keys = KeyStore(config.keys, self.redis)
         self.admission.apply(self.registry, config.tiers)
         previous = self.health

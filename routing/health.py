@@ -7,6 +7,9 @@ passively ejected endpoint stays out for a back-off that doubles with each eject
 comes back with its next good probe. Endpoints with `metrics: true` also have their
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
 new requests to less loaded workers. Changes reach admission through `on_change`.
+
+Signals about a URL this Health does not know are ignored: after a config reload, requests
+still running on an endpoint that left report on it, and nothing on their path may fail.
 """
 
 from __future__ import annotations
@@ -91,19 +94,25 @@ class Health:
                 self.endpoints[url] = known
 
     def is_up(self, url: str) -> bool:
-        return self.endpoints[url].up
+        health = self.endpoints.get(url)
+        return health is not None and health.up
 
     def penalty(self, url: str) -> float:
-        return self.endpoints[url].penalty
+        health = self.endpoints.get(url)
+        return health.penalty if health is not None else 0.0
 
     # --- passive signals from real requests ---------------------------------------------
 
     def unreachable(self, url: str) -> None:
         """A request could not connect (or was reset before any answer): out at once."""
-        self._eject(self.endpoints[url], "unreachable")
+        health = self.endpoints.get(url)
+        if health is not None:
+            self._eject(health, "unreachable")
 
     def answered(self, url: str, status: int) -> None:
-        health = self.endpoints[url]
+        health = self.endpoints.get(url)
+        if health is None:
+            return
         if status < 500:
             health.errors_5xx = 0
             return
@@ -127,7 +136,9 @@ class Health:
     # --- active probes -------------------------------------------------------------------
 
     def probed(self, url: str, ok: bool, penalty: float | None = None) -> None:
-        health = self.endpoints[url]
+        health = self.endpoints.get(url)
+        if health is None:
+            return
         if penalty is not None and abs(penalty - health.penalty) > 0.02:
             health.penalty = penalty
             if health.up:

@@ -95,6 +95,17 @@ def test_penalty_changes_are_reported() -> None:
     assert changes == [{W2}]  # too small a change to rebuild anything
 
 
+def test_urls_it_does_not_know_are_ignored() -> None:
+    # Requests still running on an endpoint a reload removed report on it.
+    health, changes, _ = make(passive_5xx=1)
+    gone = "http://gone:8000"
+    health.answered(gone, 500)
+    health.unreachable(gone)
+    health.probed(gone, ok=False, penalty=1.0)
+    assert not health.is_up(gone) and health.penalty(gone) == 0.0
+    assert changes == [] and gone not in health.endpoints
+
+
 def test_gauge_sums_label_sets_and_knows_the_old_name() -> None:
     text = (
         "# HELP vllm:num_requests_waiting x\n"
