@@ -54,14 +54,19 @@ class GatewayState:
         )
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
-        self.health = Health(self.registry, config.health, self._health_changed)
         self.background_errors = BackgroundErrors()
+        self.health = self._new_health()
         self.metrics = Metrics(self.background_errors.counts)
         self._health_changed({url for url in self.health.endpoints})
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
         # flight finish.
         self.draining = False
         self._watcher: ConfigWatcher | None = None
+
+    def _new_health(self) -> Health:
+        return Health(
+            self.registry, self.config.health, self._health_changed, errors=self.background_errors
+        )
 
     def _health_changed(self, urls: set[str]) -> None:
         """Endpoints went in or out of rotation: capacities, scripts and gauges follow."""
@@ -94,7 +99,7 @@ class GatewayState:
         await self.keeper.start()
         await self.health.start()
         if self.config_path is not None:
-            self._watcher = ConfigWatcher(self.config_path, self.apply)
+            self._watcher = ConfigWatcher(self.config_path, self.apply, self.background_errors)
             await self._watcher.start()
 
     async def apply(self, config: GatewayConfig) -> None:
@@ -117,7 +122,7 @@ class GatewayState:
         self.keys = KeyStore(config.keys, self.redis)
         self.admission.apply(self.registry, config.tiers)
         previous = self.health
-        self.health = Health(self.registry, config.health, self._health_changed)
+        self.health = self._new_health()
         self.health.adopt(previous)
         await previous.close()
         await self.health.start()

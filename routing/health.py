@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.background import BackgroundErrors, every
 from routing.registry import Model
 
 log = logging.getLogger("gateway.health")
@@ -67,10 +68,12 @@ class Health:
         on_change: Callable[[set[str]], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        errors: BackgroundErrors | None = None,
     ) -> None:
         self.settings = settings
         self._on_change = on_change
         self._clock = clock
+        self._errors = errors if errors is not None else BackgroundErrors()
         self.endpoints: dict[str, EndpointHealth] = {}
         for model in models:
             for e in model.config.endpoints:
@@ -166,7 +169,10 @@ class Health:
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.settings.timeout_s)
-        self._task = asyncio.get_running_loop().create_task(self._probing())
+        # Through `every`: an unexpected error in one round (a worker's odd /metrics, a
+        # failing `on_change`) is counted and the next round runs.
+        probing = every("health", self.settings.interval_s, self.probe_all, self._errors)
+        self._task = asyncio.get_running_loop().create_task(probing)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -175,13 +181,14 @@ class Health:
         if self._client is not None:
             await self._client.aclose()
 
-    async def _probing(self) -> None:
-        while True:
-            await self.probe_all()
-            await asyncio.sleep(self.settings.interval_s)
-
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(h) for h in self.endpoints.values()))
+        """One round: every endpoint probed, even when one probe fails unexpectedly; that
+        failure is raised once all are done (for the loop to count)."""
+        probes = [self._probe(h) for h in self.endpoints.values()]
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _probe(self, health: EndpointHealth) -> None:
         assert self._client is not None
@@ -212,7 +219,7 @@ def _gauge(text: str, names: tuple[str, ...]) -> float:
                 try:
                     total += float(line.rsplit(" ", 1)[1])
                     found = True
-                except ValueError:
+                except (ValueError, IndexError):  # a malformed line: skipped, not fatal
                     continue
         if found:
             return total
