@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.edge import ClientGone, Send, send_error, send_json
-from gateway.errors import GatewayError, UpstreamBroken, UpstreamUnavailable
+from gateway.errors import GatewayError, ServiceUnavailable, UpstreamBroken, UpstreamUnavailable
 from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
 from gateway.state import GatewayState
 from routing.admission import Admitted
@@ -41,7 +41,9 @@ class Hop:
     """One admitted request's trip to a worker and back.
 
     A worker that cannot be reached before any byte went to the caller is taken out of
-    rotation and the request moves, once, to another endpoint of the same model.
+    rotation and the request moves, once, to another endpoint of the same model. So does a
+    lease on an endpoint this replica does not know (during a rolling config update another
+    replica's config may grant one); with nowhere to go, that request gets a 503.
     """
 
     def __init__(
@@ -59,13 +61,13 @@ class Hop:
         self._path = path
         self._body_for = body_for
         self._send = send
-        self._pool = state.pools.for_model(admitted.candidate.model.name)
-        lease = admitted.lease
-        self.endpoint = self._pool.pick() if lease.local else self._pool.by_url[lease.endpoint]
+        # Known once `run` found it (looked up then, not before: a reload may come between).
+        self.endpoint: Endpoint | None = None
 
     async def run(self) -> None:
         try:
-            resp = await self._open()
+            self.endpoint = await self._find_endpoint()
+            resp = await self._open(self.endpoint)
         except GatewayError as exc:
             await self._fail(exc)
             return
@@ -83,26 +85,45 @@ class Hop:
             endpoint.inflight -= 1
             resp.close()
 
-    async def _open(self) -> UpstreamResponse:
-        headers = _worker_headers(self.endpoint, self._exchange.rid)
+    async def _find_endpoint(self) -> Endpoint:
+        """The lease's endpoint as this replica knows it (retired ones included)."""
+        lease, pools = self._admitted.lease, self._state.pools
+        if lease.local:
+            endpoint = pools.pick(lease.model)
+        else:
+            endpoint = pools.find(lease.model, lease.endpoint)
+            if endpoint is None and await self._state.admission.reroute(lease, lease.endpoint):
+                endpoint = pools.find(lease.model, lease.endpoint)
+        if endpoint is None:
+            raise ServiceUnavailable(
+                f"No endpoint of {lease.model!r} known to this gateway has room (its config "
+                "is changing); retry shortly."
+            )
+        return endpoint
+
+    async def _open(self, endpoint: Endpoint) -> UpstreamResponse:
         try:
-            return await self._post(headers)
+            return await self._post(endpoint)
         except UpstreamUnavailable:
-            self._state.health.unreachable(self.endpoint.url)
+            self._state.health.unreachable(endpoint.url)
             lease = self._admitted.lease
-            if lease.local or not await self._state.admission.reroute(lease, self.endpoint.url):
+            if lease.local or not await self._state.admission.reroute(lease, endpoint.url):
                 raise
             self._count_error(UpstreamUnavailable.__name__)
-            self.endpoint = self._pool.by_url[lease.endpoint]
+            moved = self._state.pools.find(lease.model, lease.endpoint)
+            if moved is None:
+                raise
+            self.endpoint = endpoint = moved
         try:
-            return await self._post(_worker_headers(self.endpoint, self._exchange.rid))
+            return await self._post(endpoint)
         except UpstreamUnavailable:
-            self._state.health.unreachable(self.endpoint.url)
+            self._state.health.unreachable(endpoint.url)
             raise
 
-    async def _post(self, headers: dict[str, str]) -> UpstreamResponse:
-        url = self.endpoint.url + self._path
-        return await self._state.upstream.post(url, self._body_for(self.endpoint), headers)
+    async def _post(self, endpoint: Endpoint) -> UpstreamResponse:
+        headers = _worker_headers(endpoint, self._exchange.rid)
+        url = endpoint.url + self._path
+        return await self._state.upstream.post(url, self._body_for(endpoint), headers)
 
     async def _fail(self, exc: GatewayError) -> None:
         self._exchange.status = exc.status
@@ -112,7 +133,8 @@ class Hop:
 
     def _count_error(self, kind: str) -> None:
         model = self._admitted.candidate.model.name
-        self._state.metrics.upstream_errors.labels(model, self.endpoint.url, kind).inc()
+        url = self.endpoint.url if self.endpoint is not None else self._admitted.lease.endpoint
+        self._state.metrics.upstream_errors.labels(model, url, kind).inc()
 
     async def _relay_answer(self, resp: UpstreamResponse) -> None:
         admitted, exchange = self._admitted, self._exchange
@@ -129,7 +151,10 @@ class Hop:
     async def _relay_stream(self, resp: UpstreamResponse) -> None:
         admitted, exchange, send = self._admitted, self._exchange, self._send
         model, tier = admitted.candidate.model.name, admitted.tier.value
-        rewriter = StreamRewriter(model, tier, exchange.include_usage, exchange.usage)
+        limit = self._state.config.limits.max_event_bytes
+        rewriter = StreamRewriter(
+            model, tier, exchange.include_usage, exchange.usage, max_event_bytes=limit
+        )
         chunks = aiter(resp.chunks())
         # The 200 goes out with the first event (one write, not two), and a worker that
         # fails before its first byte still gets a plain HTTP error, not an SSE one.
@@ -143,9 +168,8 @@ class Hop:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: GatewayError | None = None
         try:
-            events = rewriter.split(first)
+            out = rewriter.feed(first)
             while True:
-                out = b"".join([rewriter.rewrite(e) for e in events])
                 if out:
                     if exchange.first_byte is None:
                         exchange.first_byte = time.perf_counter()
@@ -155,7 +179,7 @@ class Hop:
                 chunk = await anext(chunks, None)
                 if chunk is None:
                     break
-                events = rewriter.split(chunk)
+                out = rewriter.feed(chunk)
         except GatewayError as exc:
             failure = exc
         except OSError as exc:  # the server could not write to the caller: it is gone
@@ -163,7 +187,8 @@ class Hop:
         await self._end_stream(rewriter, failure)
 
     async def _end_stream(self, rewriter: StreamRewriter, failure: GatewayError | None) -> None:
-        """A stream without [DONE] ends with an SSE error event (the 200 is already out)."""
+        """A stream without [DONE] ends with an SSE error event (the 200 is already out);
+        the rewriter has sent one already for a worker's error or an oversized event."""
         exchange, send = self._exchange, self._send
         if rewriter.error is None and not rewriter.done:
             failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")

@@ -2,7 +2,8 @@
 
 The caller sees the gateway's model name and the applied `service_tier`; everything else the
 worker sent passes through. Usage is picked up on the way for billing and metrics. Worker
-errors become the OpenAI envelope.
+errors become the OpenAI envelope. A streamed answer is held back only until its current
+SSE event is complete, and never more than `limits.max_event_bytes` of it (SPEC 4).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from gateway.errors import (
 
 MAX_ERROR_MESSAGE = 1000
 DONE_EVENT = b"data: [DONE]\n\n"
+MAX_EVENT_BYTES = 1024 * 1024  # the default of limits.max_event_bytes
+# A partial event may already hold the start of its delimiter ("\n", or "\n\r" when the
+# worker ends lines with CRLF): an event of exactly the limit still fits.
+_DELIMITER_SLACK = 2
 
 
 @dataclass(slots=True)
@@ -103,36 +108,77 @@ class StreamRewriter:
     """Splits worker SSE bytes into events and rewrites each `data:` payload.
 
     Feed it chunks as they arrive; it returns the complete events ready to send (possibly
-    empty), keeping any partial event for the next chunk.
+    empty), keeping any partial event for the next chunk. An event larger than
+    `max_event_bytes` (complete, or still partial) ends the stream: what came before it is
+    returned, then an SSE error event; `error` is set and the buffer dropped.
     """
 
     __slots__ = (
-        "_buffer", "_include_usage", "_model", "_model_field", "_tier", "_tier_prefix", "done",
-        "error", "usage",
+        "_buffer", "_cut", "_include_usage", "_max_event", "_model", "_model_field", "_tier",
+        "_tier_prefix", "done", "error", "usage",
     )  # fmt: skip
 
-    def __init__(self, model: str, tier: str, include_usage: bool, usage: Usage) -> None:
+    def __init__(
+        self,
+        model: str,
+        tier: str,
+        include_usage: bool,
+        usage: Usage,
+        *,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+    ) -> None:
         self._model = model
         self._tier = tier
         self._include_usage = include_usage
+        self._max_event = max_event_bytes
         self._buffer = b""
+        self._cut: GatewayError | None = None
         self._model_field = b'"model":' + orjson.dumps(model)
         self._tier_prefix = b'data: {"service_tier":' + orjson.dumps(tier) + b","
         self.usage = usage
         self.done = False
         self.error: GatewayError | None = None
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held back: the partial event waiting for its end."""
+        return len(self._buffer)
+
     def feed(self, chunk: bytes) -> bytes:
-        """The complete events in `chunk` (with what was left over before), rewritten."""
-        return b"".join([self.rewrite(e) for e in self.split(chunk)])
+        """The complete events in `chunk` (with what was left over before), rewritten; an
+        SSE error event last when an oversized event cut the stream."""
+        out = b"".join([self.rewrite(e) for e in self.split(chunk)])
+        cut = self._cut
+        if cut is not None and self.error is None and not self.done:
+            self.error = cut
+            out += error_event(cut)
+        return out
 
     def split(self, chunk: bytes) -> list[bytes]:
-        """The complete events so far, not yet rewritten; a partial one waits for more."""
+        """The complete events so far, not yet rewritten; a partial one waits for more.
+        Past an oversized event nothing more is returned (see `feed`)."""
+        if self._cut is not None:
+            return []
         data = self._buffer + chunk if self._buffer else chunk
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         *events, self._buffer = data.split(b"\n\n")
+        if len(data) > self._max_event:  # one len() per chunk on the common path
+            events = self._bounded(events)
         return [e for e in events if e]
+
+    def _bounded(self, events: list[bytes]) -> list[bytes]:
+        """The events before the first one over the limit. Past it the stream is cut and the
+        buffer dropped: a worker never makes the gateway hold more than one event."""
+        limit = self._max_event
+        keep = next((i for i, e in enumerate(events) if len(e) > limit), None)
+        if keep is None:
+            if len(self._buffer) <= limit + _DELIMITER_SLACK:
+                return events
+            keep = len(events)
+        self._buffer = b""
+        self._cut = UpstreamFailed(f"The worker sent an SSE event larger than {limit} bytes.")
+        return events[:keep]
 
     def rewrite(self, event: bytes) -> bytes:
         """One event as the caller should see it (b"" when it is dropped)."""

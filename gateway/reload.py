@@ -3,7 +3,8 @@
 Kubernetes updates a mounted ConfigMap by swapping a symlink, so there is no reliable file
 event to wait for: the file's content is compared every `interval_s` (cheap: one small read),
 and SIGHUP checks at once. A file that does not load is refused with one log line naming
-the problem, and the config in force stays.
+the problem, and the config in force stays. An apply that fails unexpectedly is counted
+(background task "reload") and retried on the next round; the watcher never stops.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway.settings import ConfigError, GatewayConfig, load_config
+from routing.background import BackgroundErrors, every
 
 log = logging.getLogger("gateway.reload")
 
@@ -26,11 +28,13 @@ class ConfigWatcher:
         self,
         path: str,
         apply: Callable[[GatewayConfig], Awaitable[None]],
+        errors: BackgroundErrors,
         *,
         interval_s: float = 2.0,
     ) -> None:
         self._path = Path(path)
         self._apply = apply
+        self._errors = errors
         self._interval = interval_s
         self._seen = self._digest()
         self._wake = asyncio.Event()
@@ -38,7 +42,8 @@ class ConfigWatcher:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._watch())
+        # The wait is part of each round (SIGHUP cuts it short), so no pause between rounds.
+        self._task = loop.create_task(every("reload", 0.0, self._round, self._errors))
         # Not the main thread, or no SIGHUP on this platform: polling still works.
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP, self._wake.set)
@@ -50,25 +55,26 @@ class ConfigWatcher:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
 
-    async def _watch(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
-            self._wake.clear()
-            await self.check()
+    async def _round(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self._interval)
+        self._wake.clear()
+        await self.check()
 
     async def check(self) -> bool:
-        """Apply the file if it changed since last seen; True when a new config applied."""
+        """Apply the file if it changed since last seen; True when a new config applied.
+        An error from `apply` propagates, and the file counts as unseen (tried again)."""
         digest = self._digest()
         if digest is None or digest == self._seen:
             return False
-        self._seen = digest
         try:
             config = load_config(self._path)
         except ConfigError as exc:
+            self._seen = digest  # refused once, not again every round
             log.error("config reload refused, the running config stays: %s", exc)
             return False
         await self._apply(config)
+        self._seen = digest
         return True
 
     def _digest(self) -> str | None:

@@ -67,13 +67,18 @@ class GatewayState:
             self.background_errors,
             round_timeout_s=2 * timeout + 1,
         )
-        self.health = Health(self.registry, config.health, self._health_changed)
+        self.health = self._new_health()
         self.metrics = Metrics(self.background_errors.counts)
         self._health_changed({url for url in self.health.endpoints})
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
         # flight finish.
         self.draining = False
         self._watcher: ConfigWatcher | None = None
+
+    def _new_health(self) -> Health:
+        return Health(
+            self.registry, self.config.health, self._health_changed, errors=self.background_errors
+        )
 
     def _health_changed(self, urls: set[str]) -> None:
         """Endpoints went in or out of rotation: capacities, scripts and gauges follow."""
@@ -106,7 +111,7 @@ class GatewayState:
         await self.keeper.start()
         await self.health.start()
         if self.config_path is not None:
-            self._watcher = ConfigWatcher(self.config_path, self.apply)
+            self._watcher = ConfigWatcher(self.config_path, self.apply, self.background_errors)
             await self._watcher.start()
 
     async def apply(self, config: GatewayConfig) -> None:
@@ -122,11 +127,14 @@ class GatewayState:
         old_names = set(self.registry.names())
         self.config = config
         self.registry = Registry(config.models)
-        self.pools.apply(self.registry)
+        # Endpoints that leave stay known while leases still hold them (SPEC 4).
+        self.pools.apply(
+            self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
+        )
         self.keys = KeyStore(config.keys, self.redis)
         self.admission.apply(self.registry, config.tiers)
         previous = self.health
-        self.health = Health(self.registry, config.health, self._health_changed)
+        self.health = self._new_health()
         self.health.adopt(previous)
         await previous.close()
         await self.health.start()

@@ -7,6 +7,9 @@ passively ejected endpoint stays out for a back-off that doubles with each eject
 comes back with its next good probe. Endpoints with `metrics: true` also have their
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
 new requests to less loaded workers. Changes reach admission through `on_change`.
+
+Signals about a URL this Health does not know are ignored: after a config reload, requests
+still running on an endpoint that left report on it, and nothing on their path may fail.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.background import BackgroundErrors, every
 from routing.registry import Model
 
 log = logging.getLogger("gateway.health")
@@ -64,10 +68,12 @@ class Health:
         on_change: Callable[[set[str]], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        errors: BackgroundErrors | None = None,
     ) -> None:
         self.settings = settings
         self._on_change = on_change
         self._clock = clock
+        self._errors = errors if errors is not None else BackgroundErrors()
         self.endpoints: dict[str, EndpointHealth] = {}
         for model in models:
             for e in model.config.endpoints:
@@ -91,19 +97,25 @@ class Health:
                 self.endpoints[url] = known
 
     def is_up(self, url: str) -> bool:
-        return self.endpoints[url].up
+        health = self.endpoints.get(url)
+        return health is not None and health.up
 
     def penalty(self, url: str) -> float:
-        return self.endpoints[url].penalty
+        health = self.endpoints.get(url)
+        return health.penalty if health is not None else 0.0
 
     # --- passive signals from real requests ---------------------------------------------
 
     def unreachable(self, url: str) -> None:
         """A request could not connect (or was reset before any answer): out at once."""
-        self._eject(self.endpoints[url], "unreachable")
+        health = self.endpoints.get(url)
+        if health is not None:
+            self._eject(health, "unreachable")
 
     def answered(self, url: str, status: int) -> None:
-        health = self.endpoints[url]
+        health = self.endpoints.get(url)
+        if health is None:
+            return
         if status < 500:
             health.errors_5xx = 0
             return
@@ -127,7 +139,9 @@ class Health:
     # --- active probes -------------------------------------------------------------------
 
     def probed(self, url: str, ok: bool, penalty: float | None = None) -> None:
-        health = self.endpoints[url]
+        health = self.endpoints.get(url)
+        if health is None:
+            return
         if penalty is not None and abs(penalty - health.penalty) > 0.02:
             health.penalty = penalty
             if health.up:
@@ -155,7 +169,10 @@ class Health:
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.settings.timeout_s)
-        self._task = asyncio.get_running_loop().create_task(self._probing())
+        # Through `every`: an unexpected error in one round (a worker's odd /metrics, a
+        # failing `on_change`) is counted and the next round runs.
+        probing = every("health", self.settings.interval_s, self.probe_all, self._errors)
+        self._task = asyncio.get_running_loop().create_task(probing)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -164,13 +181,14 @@ class Health:
         if self._client is not None:
             await self._client.aclose()
 
-    async def _probing(self) -> None:
-        while True:
-            await self.probe_all()
-            await asyncio.sleep(self.settings.interval_s)
-
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(h) for h in self.endpoints.values()))
+        """One round: every endpoint probed, even when one probe fails unexpectedly; that
+        failure is raised once all are done (for the loop to count)."""
+        probes = [self._probe(h) for h in self.endpoints.values()]
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _probe(self, health: EndpointHealth) -> None:
         assert self._client is not None
@@ -201,7 +219,7 @@ def _gauge(text: str, names: tuple[str, ...]) -> float:
                 try:
                     total += float(line.rsplit(" ", 1)[1])
                     found = True
-                except ValueError:
+                except (ValueError, IndexError):  # a malformed line: skipped, not fatal
                     continue
         if found:
             return total

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import AsyncIterator
 from itertools import pairwise
 from typing import Any
 
+import fakeredis
+import httpx
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.app import build_app
 from gateway.errors import (
     RateLimited,
     UpstreamFailed,
@@ -26,6 +31,9 @@ from gateway.relay import (
     rewrite_answer,
     worker_error,
 )
+from gateway.settings import parse_config
+from gateway.state import GatewayState
+from tiers.usage import UsageRecord
 
 MODEL = "org/served"
 USAGE = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
@@ -236,6 +244,150 @@ def test_error_event_shape() -> None:
     assert orjson.loads(out[6:]) == {
         "error": {"message": "broken", "type": "api_error", "param": None, "code": "upstream_error"}
     }
+
+
+# --- bounded events (limits.max_event_bytes) -------------------------------------------------
+
+LIMIT = 1024
+
+
+def bounded(limit: int = LIMIT) -> StreamRewriter:
+    return StreamRewriter(MODEL, "default", True, Usage(), max_event_bytes=limit)
+
+
+def sized_event(size: int) -> bytes:
+    """One `data:` token event of exactly `size` bytes, its blank-line delimiter not counted."""
+    event = sse(chunk("x" * (size - len(sse(chunk(""))) + 2)))[:-2]
+    assert len(event) == size
+    return event
+
+
+def test_a_stream_without_delimiter_past_the_limit_ends_with_an_error_event() -> None:
+    rw = bounded()
+    assert len(payloads(rw.feed(sse(chunk("a"))))) == 1
+    out = rw.feed(b"data: {")
+    fed = 0
+    while out == b"":
+        out = rw.feed(b"x" * 100)
+        fed += 100
+        assert rw.buffered <= LIMIT + 2 and fed < 2 * LIMIT
+    assert out == error_event(
+        UpstreamFailed(f"The worker sent an SSE event larger than {LIMIT} bytes.")
+    )
+    assert isinstance(rw.error, UpstreamFailed) and rw.error.status == 502
+    assert rw.buffered == 0  # the partial event is dropped, not kept
+    assert rw.feed(b"x" * 100 + b"\n\n" + sse(chunk("b"))) == b""  # nothing after the cut
+    assert rw.buffered == 0
+    assert rw.usage.streamed == 1 and not rw.done
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_an_event_exactly_at_the_limit_passes_however_it_is_split(crlf: bool) -> None:
+    event = sized_event(LIMIT)
+    stream = event + (b"\r\n\r\n" if crlf else b"\n\n") + b"data: [DONE]\n\n"
+    for cut in range(LIMIT - 2, LIMIT + 5):  # partial events that end in their delimiter
+        rw = bounded()
+        out = rw.feed(stream[:cut]) + rw.feed(stream[cut:])
+        assert rw.error is None, cut
+        assert len(payloads(out)) == 1 and rw.done
+
+
+def test_a_complete_event_over_the_limit_is_cut_after_what_came_before() -> None:
+    rw = bounded()
+    out = rw.feed(sse(chunk("a")) + sized_event(LIMIT + 1) + b"\n\n" + sse(chunk("b")))
+    bodies = payloads(out)
+    assert [b["choices"][0]["delta"]["content"] for b in bodies[:-1]] == ["a"]
+    assert f"larger than {LIMIT} bytes" in bodies[-1]["error"]["message"]
+    assert out.endswith(error_event(UpstreamFailed(bodies[-1]["error"]["message"])))
+    assert rw.error is not None and rw.buffered == 0
+
+
+def test_a_worker_error_before_the_oversized_event_is_the_only_error() -> None:
+    rw = bounded()
+    out = rw.feed(sse({"error": {"message": "engine died"}}) + sized_event(LIMIT + 1))
+    assert len(payloads(out)) == 1
+    assert "engine died" in payloads(out)[0]["error"]["message"]
+
+
+class EndlessEventResponse:
+    """A worker's stream: two tokens, then one event of 32 MB that never ends, in 64 KiB
+    chunks. Counts what the gateway pulled from it."""
+
+    status = 200
+    headers: dict[str, str] = {}
+
+    def __init__(self) -> None:
+        self.pulled = 0
+        self.closed = False
+
+    async def read(self) -> bytes:
+        raise AssertionError("a stream is not read whole")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        head = sse(chunk("a")) + sse(chunk("b")) + b'data: {"choices": [{"text": "'
+        self.pulled += len(head)
+        yield head
+        piece = b"x" * 65536
+        for _ in range(32 * 16):
+            self.pulled += len(piece)
+            yield piece
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class EndlessUpstream:
+    def __init__(self) -> None:
+        self.response = EndlessEventResponse()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> EndlessEventResponse:
+        return self.response
+
+
+async def test_a_32_mb_partial_event_is_cut_after_about_the_limit() -> None:
+    limit = 1024 * 1024
+    config = f"""
+redis: {{url: "memory://"}}
+limits: {{max_event_bytes: {limit}}}
+models: {{m1: {{endpoints: [{{url: "http://127.0.0.1:9", max_concurrency: 2}}]}}}}
+keys: [{{sha256: "{hashlib.sha256(b"sk-relay").hexdigest()}", account: relay}}]
+"""
+    upstream = EndlessUpstream()
+    state = GatewayState(
+        parse_config(config, "relay.yaml"),
+        redis=fakeredis.FakeAsyncRedis(),
+        upstream=upstream,  # type: ignore[arg-type]
+    )
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "m1", "prompt": "x", "stream": True},
+            headers={"authorization": "Bearer sk-relay", "x-request-id": "cut-1"},
+        )
+    await state.admission.drain()
+
+    assert response.status_code == 200  # the 200 was out before the worker misbehaved
+    bodies = payloads(response.content)
+    assert [b["choices"][0]["delta"]["content"] for b in bodies[:-1]] == ["a", "b"]
+    assert bodies[-1]["error"]["message"] == (
+        f"The worker sent an SSE event larger than {limit} bytes."
+    )
+    assert b"[DONE]" not in response.content
+    # Read until just past the limit, not the 32 MB; the worker's response is closed.
+    assert upstream.response.pulled <= limit + 2 * 65536 + 200
+    assert upstream.response.closed
+
+    (entry,) = await state.redis.xrange("usage")
+    record = UsageRecord.from_fields({k.decode(): v.decode() for k, v in entry[1].items()})
+    assert (record.request_id, record.status, record.outcome) == ("cut-1", 502, "error")
+    assert (record.completion_tokens, record.estimated) == (2, True)  # what was streamed
 
 
 # --- worker_error ---------------------------------------------------------------------------

@@ -80,5 +80,69 @@ def test_pools_by_model_name() -> None:
         }
     )
     pools = Pools(registry)
-    assert pools.for_model("a") is not pools.for_model("b")
-    assert pools.for_model("b").endpoints[0].model_name == "b"
+    a, b = pools.for_model("a"), pools.for_model("b")
+    assert a is not None and b is not None and a is not b
+    assert b.endpoints[0].model_name == "b"
+
+
+# --- config reloads: endpoints that stay, change, leave or come back -------------------------
+
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+
+def registry(**models: list[dict[str, object]]) -> Registry:
+    return Registry({n: ModelConfig.model_validate({"endpoints": e}) for n, e in models.items()})
+
+
+def endpoint(url: str, size: int = 8, **extra: object) -> dict[str, object]:
+    return {"url": url, "max_concurrency": size, **extra}
+
+
+def test_an_endpoint_that_stays_keeps_its_object_and_count_with_the_new_settings() -> None:
+    pools = Pools(registry(m=[endpoint(A), endpoint(B)]))
+    before = pools.find("m", A)
+    assert before is not None
+    before.inflight = 3
+    pools.apply(registry(m=[endpoint(A, 2, model="served-now")]))
+    assert pools.find("m", A) is before
+    assert before.inflight == 3
+    assert (before.config.max_concurrency, before.upstream_model) == (2, "served-now")
+
+
+def test_an_endpoint_that_leaves_stays_findable_while_a_lease_holds_it() -> None:
+    pools = Pools(registry(m=[endpoint(A), endpoint(B)]))
+    leaving = pools.find("m", A)
+    pools.apply(registry(m=[endpoint(B)]), in_use=[("m", A)])
+    assert pools.find("m", A) is leaving  # a request admitted onto it still finds it
+    pool = pools.for_model("m")
+    assert pool is not None
+    assert [pool.pick() for _ in range(4)] == [pool.by_url[B]] * 4  # but it takes no new work
+    pools.apply(registry(m=[endpoint(B)]), in_use=[("m", B)])
+    assert pools.find("m", A) is None  # pruned once no lease holds it
+
+
+def test_a_retired_endpoint_that_comes_back_is_the_same_object() -> None:
+    pools = Pools(registry(m=[endpoint(A), endpoint(B)]))
+    leaving = pools.find("m", A)
+    assert leaving is not None
+    leaving.inflight = 1
+    pools.apply(registry(m=[endpoint(B)]), in_use=[("m", A)])
+    pools.apply(registry(m=[endpoint(A), endpoint(B)]), in_use=[("m", A)])
+    assert pools.find("m", A) is leaving and leaving.inflight == 1
+
+
+def test_a_model_that_leaves_keeps_its_pool_only_while_held() -> None:
+    pools = Pools(registry(m=[endpoint(A)], other=[endpoint(B)]))
+    held = pools.find("m", A)
+    pools.apply(registry(other=[endpoint(B)]), in_use=[("m", A)])
+    assert pools.find("m", A) is held
+    assert pools.pick("m") is None  # nothing new goes to a model that left
+    pools.apply(registry(other=[endpoint(B)]))
+    assert pools.for_model("m") is None and pools.find("m", A) is None
+
+
+def test_unknown_models_and_urls_are_none() -> None:
+    pools = Pools(registry(m=[endpoint(A)]))
+    assert pools.find("m", B) is None
+    assert pools.find("nope", A) is None
+    assert pools.pick("nope") is None

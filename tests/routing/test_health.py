@@ -13,6 +13,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from gateway.settings import parse_config
+from routing.background import BackgroundErrors
 from routing.health import Health, HealthSettings, _gauge
 from routing.registry import Registry
 
@@ -95,6 +96,17 @@ def test_penalty_changes_are_reported() -> None:
     assert changes == [{W2}]  # too small a change to rebuild anything
 
 
+def test_urls_it_does_not_know_are_ignored() -> None:
+    # Requests still running on an endpoint a reload removed report on it.
+    health, changes, _ = make(passive_5xx=1)
+    gone = "http://gone:8000"
+    health.answered(gone, 500)
+    health.unreachable(gone)
+    health.probed(gone, ok=False, penalty=1.0)
+    assert not health.is_up(gone) and health.penalty(gone) == 0.0
+    assert changes == [] and gone not in health.endpoints
+
+
 def test_gauge_sums_label_sets_and_knows_the_old_name() -> None:
     text = (
         "# HELP vllm:num_requests_waiting x\n"
@@ -105,6 +117,11 @@ def test_gauge_sums_label_sets_and_knows_the_old_name() -> None:
     assert _gauge(text, ("vllm:num_requests_waiting",)) == 5.0
     assert _gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")) == 0.25
     assert _gauge(text, ("nothing",)) == 0.0
+
+
+def test_gauge_skips_malformed_lines() -> None:
+    text = "vllm:num_requests_waiting{\nvllm:num_requests_waiting x\nvllm:num_requests_waiting 2\n"
+    assert _gauge(text, ("vllm:num_requests_waiting",)) == 2.0
 
 
 @pytest.fixture
@@ -152,3 +169,34 @@ async def test_probes_against_a_real_worker(worker: tuple[str, dict[str, object]
         assert not health.is_up(url)
     finally:
         await health.close()
+
+
+async def test_an_unexpected_error_in_a_round_is_counted_and_probing_goes_on(
+    worker: tuple[str, dict[str, object]],
+) -> None:
+    url, _ = worker
+    config = parse_config(
+        f'models: {{m: {{endpoints: [{{url: "{url}", max_concurrency: 4}}]}}}}', "t.yaml"
+    )
+    errors = BackgroundErrors()
+    settings = HealthSettings(interval_s=0.01)
+    health = Health(Registry(config.models), settings, lambda _: None, errors=errors)
+    rounds: list[bool] = []
+    probed_again = asyncio.Event()
+    real_probed = health.probed
+
+    def probed(url: str, ok: bool, penalty: float | None = None) -> None:
+        rounds.append(ok)
+        if len(rounds) == 1:
+            raise RuntimeError("an odd answer")
+        real_probed(url, ok, penalty)
+        probed_again.set()
+
+    health.probed = probed  # type: ignore[method-assign]
+    await health.start()
+    try:
+        await asyncio.wait_for(probed_again.wait(), 10)
+    finally:
+        await health.close()
+    assert errors.counts["health"] == 1
+    assert health.is_up(url)

@@ -1,0 +1,132 @@
+"""The hop to a worker when the lease's endpoint is not one this replica knows (a rolling
+config update): the request moves to an endpoint it knows, or gets a 503, never a 500."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import fakeredis
+import orjson
+import pytest
+
+from gateway.edge import Message
+from gateway.forward import Exchange, Hop
+from gateway.relay import Usage
+from gateway.settings import parse_config
+from gateway.state import GatewayState
+from routing.admission import Admitted
+from routing.plan import plan_candidates
+from tiers.policy import Tier
+
+KNOWN = ("http://known-1:8000", "http://known-2:8000")
+ELSEWHERE = "http://only-in-another-replicas-config:8000"
+CONFIG = f"""
+redis: {{url: "memory://"}}
+models:
+  m1:
+    endpoints:
+      - {{url: "{KNOWN[0]}", max_concurrency: 1}}
+      - {{url: "{KNOWN[1]}", max_concurrency: 1}}
+"""
+ANSWER = b'{"id": "x", "model": "w", "choices": [{"text": "hi"}]}'
+
+
+class Answer:
+    status = 200
+    headers: dict[str, str] = {}
+
+    async def read(self) -> bytes:
+        return ANSWER
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield ANSWER
+
+    def close(self) -> None:
+        pass
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        self.urls.append(url)
+        return Answer()
+
+
+@pytest.fixture
+def state() -> GatewayState:
+    return GatewayState(
+        parse_config(CONFIG, "forward.yaml"),
+        redis=fakeredis.FakeAsyncRedis(),
+        upstream=Recording(),  # type: ignore[arg-type]
+    )
+
+
+async def admit(state: GatewayState, on: str | None = None) -> Admitted:
+    """A lease; with `on`, granted on that endpoint as another replica's config would."""
+    slots = state.admission.slots["m1"]
+    if on is not None:
+        slots.set_endpoints([(on, 10, 0.0)])
+    try:
+        candidates = plan_candidates(
+            "m1", None, fail_fast=True, registry=state.registry, allowed=None
+        )
+        return await state.admission.admit(candidates, lambda _: Tier.DEFAULT, "acct", 10)
+    finally:
+        slots.set_endpoints([(url, 1, 0.0) for url in KNOWN])  # this replica's own view
+
+
+async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[Message]]:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    exchange = Exchange("rid-1", time.perf_counter(), False, True, Usage())
+    await Hop(state, exchange, admitted, "/v1/completions", lambda _: b"{}", send).run()
+    return exchange, sent
+
+
+async def test_a_lease_on_an_unknown_endpoint_moves_to_a_known_one(
+    state: GatewayState,
+) -> None:
+    admitted = await admit(state, on=ELSEWHERE)
+    assert admitted.lease.endpoint == ELSEWHERE
+    exchange, sent = await hop(state, admitted)
+    assert exchange.status == 200
+    assert sent[0]["status"] == 200
+    assert admitted.lease.endpoint in KNOWN
+    upstream = state.upstream
+    assert isinstance(upstream, Recording)
+    assert upstream.urls == [admitted.lease.endpoint + "/v1/completions"]
+    slots = state.admission.slots["m1"]
+    redis = state.redis
+    assert (await redis.hget(slots.keys[2], admitted.lease.id)).decode() in KNOWN  # ep_of
+    assert int(await redis.hget(slots.keys[3], ELSEWHERE) or 0) == 0  # its load went back
+    await state.admission.release(admitted.lease)
+
+
+async def test_a_lease_on_an_unknown_endpoint_with_no_room_elsewhere_is_a_503(
+    state: GatewayState,
+) -> None:
+    holders = [await admit(state) for _ in KNOWN]  # every known endpoint full
+    assert {h.lease.endpoint for h in holders} == set(KNOWN)
+    admitted = await admit(state, on=ELSEWHERE)
+    exchange, sent = await hop(state, admitted)
+    assert exchange.status == 503 and exchange.finished
+    assert sent[0]["status"] == 503
+    error = orjson.loads(sent[1]["body"])["error"]
+    assert error["code"] == "service_unavailable" and "'m1'" in error["message"]
+    upstream = state.upstream
+    assert isinstance(upstream, Recording) and upstream.urls == []
+    for lease in (admitted.lease, *(h.lease for h in holders)):
+        await state.admission.release(lease)
+    assert await state.redis.zcard(state.admission.slots["m1"].keys[0]) == 0
