@@ -50,12 +50,13 @@ class GatewayState:
             lease_ttl_s=config.redis.lease_ttl_s,
             on_outage=config.redis.on_outage,
             store=script_store(config.redis.url, self.redis),
-            spool=UsageSpool(config.usage),
+            spool=UsageSpool(config.usage, config.redis.url),
         )
         interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
-        self.keeper = Keeper(self.admission, subscriber(config.redis.url, self.redis), interval)
-        self.health = Health(self.registry, config.health, self._health_changed)
         self.background_errors = BackgroundErrors()
+        pubsub = subscriber(config.redis.url, self.redis)
+        self.keeper = Keeper(self.admission, pubsub, interval, errors=self.background_errors)
+        self.health = Health(self.registry, config.health, self._health_changed)
         self.metrics = Metrics(self.background_errors.counts)
         self._health_changed({url for url in self.health.endpoints})
         # Set on SIGTERM: /readyz says 503 and new requests are refused while those in
@@ -132,6 +133,8 @@ class GatewayState:
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
+        if self.admission.spool is not None:
+            self.admission.spool.close()
         if self.admission.store is not self.redis:
             await self.admission.store.aclose()
         await self.upstream.close()
@@ -144,8 +147,12 @@ class GatewayState:
         m = self.metrics
         spool = self.admission.spool
         if spool is not None:
-            m.usage_spooled.set(spool.path.stat().st_size if spool.pending() else 0)
+            m.usage_spooled.set(spool.size_bytes())
             m.usage_lost.set(spool.lost)
+            m.usage_bad_lines.set(spool.bad_lines)
+            if spool.stream is not None:
+                m.usage_stream_length.set(spool.stream.length)
+                m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

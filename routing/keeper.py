@@ -5,6 +5,8 @@
   capacity held by a dead replica flows back; keeps this replica's leases alive (long
   streams included); finds grants whose wake-up message was lost; and reads each model's
   in-flight and queue depth for metrics and the rate of freed slots for Retry-After.
+- A spool round (about a second, its own loop) sends spooled usage records and trims the
+  stream (routing/ledger.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from routing.admission import STORE_ERRORS, Admission
+from routing.background import BackgroundErrors, every
+from routing.ledger import store_sender
 from routing.resp import RespClient
 from routing.slots import Call, ModelState, model_state, text
 
@@ -27,6 +31,8 @@ log = logging.getLogger("gateway.admission")
 REPLICAS_KEY = "gw:replicas"
 # A Redis call unanswered this long means a hung server or a dead link: drop the connection.
 STALLED_S = 5.0
+# A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
+SPOOL_ROUND_S = 30.0
 # Weight of the newest sample in the freed-slots rate (per sweep).
 RATE_WEIGHT = 0.3
 
@@ -39,12 +45,20 @@ class Keeper:
     interval_s: float = 1.0
     states: dict[str, ModelState] = field(default_factory=dict)
     store_ok: bool = True
+    errors: BackgroundErrors = field(default_factory=BackgroundErrors)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _last_freed: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._listen()), loop.create_task(self._sweeping())]
+        spool = every(
+            "spool", self.interval_s, self._tend_spool, self.errors, timeout_s=SPOOL_ROUND_S
+        )
+        self._tasks = [
+            loop.create_task(self._listen()),
+            loop.create_task(self._sweeping()),
+            loop.create_task(spool),
+        ]
 
     def resubscribe(self) -> None:
         """The set of models changed: listen on every model's channel from now on."""
@@ -62,12 +76,16 @@ class Keeper:
             try:
                 await self.sweep_once()
                 self.store_ok = True
-                await self.admission.flush_spool()
             except STORE_ERRORS as exc:
                 if self.store_ok:
                     log.warning("admission store unreachable: %s", type(exc).__name__)
                 self.store_ok = False
             await asyncio.sleep(self.interval_s)
+
+    async def _tend_spool(self) -> None:
+        adm = self.admission
+        if adm.spool is not None:
+            await adm.spool.tend(store_sender(adm.scripts, adm.store))
 
     async def sweep_once(self) -> None:
         adm = self.admission
