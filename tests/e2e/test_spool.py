@@ -29,7 +29,13 @@ OVERFILL = (
     "redis.call('DEL', 'filler:none') "
     "for i = 1, tonumber(ARGV[1]) do redis.call('SET', 'filler:' .. i, string.rep('x', 10000)) end"
 )
-FILLERS = 100  # 1 MB over the 2 MB limit
+FILLERS = 300  # 3 MB on a 2 MB limit: well over it
+
+
+def overfill(client: redis.Redis) -> None:
+    client.eval(OVERFILL, 0, FILLERS)
+    with pytest.raises(redis.ResponseError, match="maxmemory"):
+        client.set("probe", "x")
 
 
 def config(worker: procs.Proc, redis_url: str, spool_dir: Path, on_outage: str = "local") -> str:
@@ -197,7 +203,7 @@ def test_records_wait_while_redis_is_full_and_arrive_once(
         thread.start()
     started.wait(timeout=30)  # all admitted and streaming: now Redis fills up
     with redis.Redis.from_url(small.url) as client:
-        client.eval(OVERFILL, 0, FILLERS)
+        overfill(client)
         for thread in streams:
             thread.join(timeout=30)
         # Their releases carried the records: refused (OOM), so spooled, not lost.
@@ -235,7 +241,7 @@ def test_admission_answers_while_redis_is_full(
     small = stops.redis(tmp_path, maxmemory="2mb")
     gateway = stops.gateway(tmp_path, config(worker, small.url, tmp_path / "spool", "reject"))
     with redis.Redis.from_url(small.url) as client:
-        client.eval(OVERFILL, 0, FILLERS)
+        overfill(client)
         rids = [f"spool-{RUN}-admit-{i}" for i in range(3)]
         assert [complete(gateway, rid) for rid in rids] == [200] * 3
         wait_for(lambda: metric(gateway, "gateway_usage_spool_bytes") > 0, "the records spooled")

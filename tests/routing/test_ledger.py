@@ -30,6 +30,7 @@ from routing.plan import plan_candidates
 from routing.registry import Registry
 from routing.resp import RespClient
 from routing.slots import Scripts, Store
+from routing.store import connect
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
@@ -234,6 +235,17 @@ async def test_spool_round_trims_and_stores_the_stream_stats(
     assert not spool.pending()
 
 
+async def test_spool_round_on_the_in_process_store(tmp_path: Path) -> None:
+    """memory:// (`gateway demo`): the same scripts and round on fakeredis."""
+    store = connect("memory://")
+    spool = spool_in(tmp_path, "memory://")
+    spool.add(usage_fields())
+    await bounded(spool.tend(store_sender(Scripts(), store)))
+    assert await entries(store) == [usage_fields()]
+    assert spool.stream is not None and spool.stream.length == 1
+    assert not spool.pending()
+
+
 # --- store_sender: one reply per call ----------------------------------------------------------
 
 
@@ -303,16 +315,17 @@ async def test_records_wait_in_the_spool_while_redis_is_full(tmp_path: Path) -> 
 
 
 async def fill(client: aioredis.Redis) -> list[str]:
-    """Fill a Redis under maxmemory with 10 kB strings until it refuses writes."""
-    keys: list[str] = []
-    for i in range(10_000):
-        try:
-            await client.set(f"filler:{i}", "x" * 10_000)
-        except ResponseError as exc:
-            assert "maxmemory" in str(exc)
-            return keys
-        keys.append(f"filler:{i}")
-    raise AssertionError("Redis never refused a write: no maxmemory?")
+    """Put a Redis 2 MB past its 2 MB maxmemory: a script may go on writing once it has
+    written (here a DEL), so noeviction then refuses every new denyoom write, not just the
+    one that happened to cross the line."""
+    script = (
+        "redis.call('DEL', 'filler:none') "
+        "for i = 1, 200 do redis.call('SET', 'filler:' .. i, string.rep('x', 10000)) end"
+    )
+    await client.eval(script, 0)
+    with pytest.raises(ResponseError, match="maxmemory"):
+        await client.set("probe", "x")
+    return [f"filler:{i}" for i in range(1, 201)]
 
 
 # --- Admission: release with the record, spool, flush -----------------------------------------
