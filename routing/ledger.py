@@ -281,13 +281,12 @@ class UsageSpool:
                 while done.offset < end and await self._send_batch(file, end, send, done):
                     pass
             finally:
-                size = self._settle(paths, done, end)
+                size = self._settle(paths, done)
         return done.sent, size == 0
 
     async def _send_batch(self, file: BinaryIO, end: int, send: Send, done: _Pass) -> bool:
         """One batch; False when Redis refused some of it (the rest waits for next round)."""
         lines = spoolfile.read_lines(file, end, FLUSH_BATCH)
-        done.offset = file.tell() if lines else end
         records: list[tuple[bytes, dict[str, str]]] = []
         unreadable: list[bytes] = []
         for line in lines:
@@ -296,11 +295,12 @@ class UsageSpool:
                 records.append((line, fields))
             elif line.strip():
                 unreadable.append(line)
-        done.dropped += len(lines) - len(records)
         self._set_aside(unreadable)
+        done.kept += [line for line, _ in records]  # until Redis has them
+        done.dropped += len(lines) - len(records)
+        done.offset = file.tell() if lines else end
         if not records:
             return True
-        done.kept += [line for line, _ in records]  # until Redis has them
         replies = await send([self.record(fields) for _, fields in records])
         del done.kept[len(done.kept) - len(records) :]
         pairs = zip(records, replies, strict=True)
@@ -310,7 +310,7 @@ class UsageSpool:
         done.dropped += len(records) - len(refused)
         return not refused
 
-    def _settle(self, paths: SpoolPaths, done: _Pass, end: int) -> int:
+    def _settle(self, paths: SpoolPaths, done: _Pass) -> int:
         """Rewrite the file without the lines that left it; its size afterwards."""
         if not done.dropped:
             return spoolfile.size_of(paths.data)
