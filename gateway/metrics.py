@@ -70,14 +70,28 @@ class Metrics:
             ["model", "endpoint"], registry=r,
         )  # fmt: skip
 
-        # Not in SPEC 8: the billing safety net. Records waiting on disk for Redis, and those
-        # lost because the spool was full or unwritable (each also logged).
+        # Not in SPEC 8: the billing safety net. Records waiting in this process's spool for
+        # Redis, those lost because the spool was full or unwritable (each also logged), and
+        # unreadable spool lines set aside (torn by a kill or a full disk).
         self.usage_spooled = Gauge(
             "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.", registry=r
         )
         self.usage_lost = Gauge(
             "gateway_usage_records_lost", "Usage records this process could not keep.", registry=r
         )
+        self.usage_bad_lines = Gauge(
+            "gateway_usage_spool_bad_lines", "Unreadable spool lines this process set aside.",
+            registry=r,
+        )  # fmt: skip
+        # SPEC 7: the stream `usage` (fleet-wide: every replica shows the same), as of the
+        # last spool round, after trimming to usage.retention_days.
+        self.usage_stream_length = Gauge(
+            "gateway_usage_stream_length", "Entries in the Redis stream `usage`.", registry=r
+        )
+        self.usage_stream_oldest_age = Gauge(
+            "gateway_usage_stream_oldest_age_seconds",
+            "Age of the oldest entry of the Redis stream `usage`.", registry=r,
+        )  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

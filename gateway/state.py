@@ -55,7 +55,7 @@ class GatewayState:
             lease_ttl_s=config.redis.lease_ttl_s,
             on_outage=config.redis.on_outage,
             store=script_store(config.redis.url, self.redis, timeout_s),
-            spool=UsageSpool(config.usage),
+            spool=UsageSpool(config.usage, config.redis.url),
             sweep_interval_s=interval,
             command_timeout_s=timeout,
         )
@@ -152,6 +152,8 @@ class GatewayState:
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
+        if self.admission.spool is not None:
+            self.admission.spool.close()
         if self.admission.store is not self.redis:
             await self.admission.store.aclose()
         await self.upstream.close()
@@ -164,8 +166,12 @@ class GatewayState:
         m = self.metrics
         spool = self.admission.spool
         if spool is not None:
-            m.usage_spooled.set(spool.path.stat().st_size if spool.pending() else 0)
+            m.usage_spooled.set(spool.size_bytes())
             m.usage_lost.set(spool.lost)
+            m.usage_bad_lines.set(spool.bad_lines)
+            if spool.stream is not None:
+                m.usage_stream_length.set(spool.stream.length)
+                m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

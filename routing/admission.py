@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
 from routing.estimate import RetryAfter
 from routing.holdings import Holdings, Lease, Waiter
-from routing.ledger import FLUSH_BATCH, UsageSpool, record_call
+from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call, store_sender
 from routing.outage import LocalShares
 from routing.plan import Candidate
 from routing.registry import Model, Registry
@@ -324,7 +324,8 @@ class Admission:
             return released
         calls = [self.slots[lease.model].release([lease.id]), ("ZREM", [lease.account], [lease.id])]
         if usage is not None:
-            calls.append(record_call(usage))
+            retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
+            calls.append(record_call(usage, retention))
         sent = self.scripts.submit(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
@@ -356,16 +357,8 @@ class Admission:
             self.spool.add(usage)
 
     async def flush_spool(self) -> int:
-        """Send spooled usage records (idempotent by request id); how many were sent."""
-        if self.spool is None or not self.spool.pending():
-            return 0
-        records, size = self.spool.take()
-        for start in range(0, len(records), FLUSH_BATCH):
-            batch = [record_call(r) for r in records[start : start + FLUSH_BATCH]]
-            await self.scripts.execute(self.store, batch)
-        self.spool.done(size)
-        log.info("flushed %d spooled usage records", len(records))
-        return len(records)
+        """Send spooled usage records now (the keeper's spool round also does)."""
+        return await self.spool.flush(store_sender(self.scripts, self.store)) if self.spool else 0
 
     def _claim(self, lease_id: str, model: str, endpoint: str) -> None:
         """A woken waiter claims its grant for the full lease TTL (an unclaimed grant goes

@@ -8,6 +8,8 @@ so no error ever ends one for good).
   their original place); claims grants whose wake-up was lost; forgets ids whose state is
   in doubt; says this replica is alive; and reads each model's in-flight and queue depth
   for metrics and the rate of freed slots for Retry-After.
+- A spool round (about a second, its own loop) sends spooled usage records, adopts those
+  of gone processes, and trims the stream (routing/ledger.py).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import redis.asyncio as aioredis
 
 from routing.admission import STORE_ERRORS, Admission
 from routing.background import BackgroundErrors, every
+from routing.ledger import store_sender
 from routing.scripts import Call, first_error
 from routing.slots import ModelState, sweep_result, text
 
 log = logging.getLogger("gateway.admission")
 
 REPLICAS_KEY = "gw:replicas"
+# A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
+SPOOL_ROUND_S = 30.0
 
 
 @dataclass
@@ -63,8 +68,8 @@ class Keeper:
                 every("sweep", self.interval_s, self.sweep_once, self.errors,
                       timeout_s=self.round_timeout_s)
             ),
-            loop.create_task(every("spool", self.interval_s, self.admission.flush_spool,
-                                   self.errors)),
+            loop.create_task(every("spool", self.interval_s, self._tend_spool, self.errors,
+                                   timeout_s=SPOOL_ROUND_S)),
         ]  # fmt: skip
 
     def resubscribe(self) -> None:
@@ -137,6 +142,11 @@ class Keeper:
         waiter = self.admission.holdings.waiters.get(waiter_id)
         if waiter is not None and not waiter.future.done():
             waiter.future.set_result(endpoint)
+
+    async def _tend_spool(self) -> None:
+        adm = self.admission
+        if adm.spool is not None:
+            await adm.spool.tend(store_sender(adm.scripts, adm.store))
 
     # --- wake-ups ------------------------------------------------------------------------
 

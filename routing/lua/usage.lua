@@ -1,10 +1,21 @@
--- Append a usage record once: a request id already recorded is not recorded again (a flush
--- of the on-disk buffer may resend). KEYS[1] the stream `usage`, KEYS[2] {usage}:rid:<id>
--- (same Cluster slot as `usage`). ARGV: 1 seconds to remember the id, 2.. field/value pairs.
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+-- Append a usage record once, and let the stream forget what is older than the retention.
+-- KEYS[1] the stream `usage`, KEYS[2] {usage}:rid:<id>[:<attempt>] (same Cluster slot as
+-- `usage`). ARGV: 1 retention (ms), 2 how long to remember the id (ms), 3.. field/value pairs.
+-- Returns 1 when appended, 0 when the id was already recorded (a spool flush may resend).
+--
+-- The FIRST write must stay SET (a `denyoom` command). At maxmemory under noeviction Redis
+-- refuses a script whose first write is denyoom before it changed anything: the record is
+-- refused (the gateway keeps it in its spool and sends it later) instead of growing Redis
+-- past its limit. Admission scripts keep working there, since Redis lets a script that has
+-- already written finish. A write before this SET (even one that removes) would lift that.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
   return 0
 end
 local entry = {}
-for i = 2, #ARGV do entry[#entry + 1] = ARGV[i] end
-redis.call('XADD', KEYS[1], '*', unpack(entry))
+for i = 3, #ARGV do entry[#entry + 1] = ARGV[i] end
+-- `~`: whole stream nodes only, so an append never pays for trimming entry by entry.
+local floor = math.max(0, now - tonumber(ARGV[1]))
+redis.call('XADD', KEYS[1], 'MINID', '~', string.format('%d', floor), '*', unpack(entry))
 return 1

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import REDIS_URL
+from tests import conftest as root
 from tests.e2e import procs
 
 KEY = "sk-test-acme"
@@ -38,7 +38,7 @@ class Fleet:
 
 def fleet_config(fast: list[procs.Proc], slow: procs.Proc) -> str:
     return f"""
-redis: {{url: "{REDIS_URL}"}}
+redis: {{url: "{root.REDIS_URL}"}}
 limits: {{max_body_bytes: 65536}}
 models:
   m1:

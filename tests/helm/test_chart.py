@@ -186,7 +186,12 @@ def test_in_chart_redis(rendered: dict[str, list[Manifest]]) -> None:
     pod = statefulset["spec"]["template"]["spec"]
     (redis,) = pod["containers"]
     assert redis["image"] == "redis:7-alpine"
-    assert redis["args"] == ["--save", "", "--appendonly", "no"]
+    # noeviction: an evicting policy could drop lease keys (over-admission); a full Redis
+    # refuses new usage records instead, which wait in the gateways' spools.
+    assert redis["args"] == [
+        "--save", "", "--appendonly", "no",
+        "--maxmemory", default_values()["redis"]["maxmemory"], "--maxmemory-policy", "noeviction",
+    ]  # fmt: skip
     assert pod["securityContext"]["runAsUser"] == 999
     assert redis["securityContext"]["readOnlyRootFilesystem"] is True
     assert redis["securityContext"]["allowPrivilegeEscalation"] is False
@@ -199,6 +204,12 @@ def test_in_chart_redis(rendered: dict[str, list[Manifest]]) -> None:
     secret = next(s for s in of_kind(docs, "Secret") if s["metadata"]["name"] == ref["name"])
     url = base64.b64decode(secret["data"][ref["key"]]).decode()
     assert url == f"redis://{redis_service['metadata']['name']}.{NAMESPACE}.svc:6379/0"
+
+
+def test_in_chart_redis_maxmemory_from_values() -> None:
+    docs = render("-f", str(VALUES_DIR / "redis.yaml"), "--set", "redis.maxmemory=1gb")
+    (redis,) = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    assert redis["args"][redis["args"].index("--maxmemory") + 1] == "1gb"
 
 
 def test_redis_url_from_values_goes_through_a_secret(
@@ -281,6 +292,7 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "unknown on_outage": ({"gateway": {"redis": {"on_outage": "panic"}}}, "on_outage"),
     "redis url of another scheme": ({"redis": {"url": "http://redis:6379"}}, "url"),
+    "redis maxmemory not a size": ({"redis": {"maxmemory": "lots"}}, "maxmemory"),
     "bad key digest": (
         {"keys": {"inConfig": True, "digests": [{"sha256": "abc", "account": "a"}]}},
         "sha256",

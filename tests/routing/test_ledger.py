@@ -1,10 +1,10 @@
 """Usage records on their way to the stream `usage` (SPEC 7): appended once per request id,
-spooled to disk while Redis is away, flushed (idempotently) once it answers again."""
+trimmed to the retention, spooled to disk while Redis is away or refusing, flushed
+(idempotently) once it takes them again. The spool's files: tests/routing/test_spool.py."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -12,14 +12,28 @@ from typing import Any, TypeVar
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from gateway.settings import parse_config
 from routing.admission import STORE_ERRORS, Admission, Lease
-from routing.ledger import REMEMBER_S, USAGE_STREAM, UsageSettings, UsageSpool, record_call
+from routing.ledger import (
+    DEDUPE_MAX_S,
+    USAGE_STREAM,
+    StreamStats,
+    UsageSettings,
+    UsageSpool,
+    record_call,
+    store_sender,
+    trim_stream,
+)
 from routing.plan import plan_candidates
 from routing.registry import Registry
-from routing.scripts import Scripts
+from routing.resp import RespClient
+from routing.scripts import Scripts, Store
+from routing.store import connect
+from tests.conftest import REDIS_URL
 from tests.factories import usage_record
+from tests.redis_server import RedisServer
 from tiers.policy import Tier
 
 CONFIG = """
@@ -32,6 +46,7 @@ models:
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens there
 RID_PREFIX = "t-ledger-"
 BOUND_S = 5.0
+DAY_S = 86400.0
 T = TypeVar("T")
 
 
@@ -47,15 +62,24 @@ def usage_fields(rid: str = RID_PREFIX + "1", **changes: Any) -> dict[str, str]:
     return {**made.to_fields(), **changes}
 
 
-def spool_at(path: Path, max_bytes: int = 1024 * 1024) -> UsageSpool:
-    spool = UsageSpool(UsageSettings(spool_dir=str(path.parent), spool_max_bytes=max_bytes))
-    spool.path = path
-    return spool
+def spool_in(directory: Path, url: str = REDIS_URL, max_bytes: int = 1024 * 1024) -> UsageSpool:
+    return UsageSpool(UsageSettings(spool_dir=str(directory), spool_max_bytes=max_bytes), url)
+
+
+def spooled(spool: UsageSpool) -> list[dict[str, str]]:
+    if not spool.path.exists():
+        return []
+    return [orjson.loads(line) for line in spool.path.read_bytes().splitlines() if line.strip()]
 
 
 async def entries(client: aioredis.Redis) -> list[dict[str, str]]:
     raw = await client.xrange(USAGE_STREAM)
     return [{k.decode(): v.decode() for k, v in data.items()} for _, data in raw]
+
+
+async def redis_ms(client: aioredis.Redis) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def admission(
@@ -86,142 +110,229 @@ async def dead_redis() -> AsyncIterator[aioredis.Redis]:
         await client.aclose()
 
 
-# --- record_call -----------------------------------------------------------------------------
+@pytest.fixture
+async def node_per_entry(tmp_path: Path) -> AsyncIterator[aioredis.Redis]:
+    """A private Redis whose stream nodes hold one entry each: trimming with `~` (whole
+    nodes) then acts entry by entry, so the entry ids tell exactly what was trimmed."""
+    server = RedisServer(tmp_path).start()
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        await client.config_set("stream-node-max-entries", 1)
+        yield client
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+# --- record_call and usage.lua ----------------------------------------------------------------
 
 
 def test_record_call_shape() -> None:
     flat = {"request_id": "r-9", "account": "a", "user": ""}
-    name, keys, args = record_call(flat)
+    name, keys, args = record_call(flat, 35 * DAY_S)
     assert name == "usage"
     assert list(keys) == ["usage", "{usage}:rid:r-9"]
-    assert list(args) == [REMEMBER_S, "request_id", "r-9", "account", "a", "user", ""]
+    retention_ms, remember_ms, *pairs = args
+    assert (retention_ms, remember_ms) == (35 * DAY_S * 1000, DEDUPE_MAX_S * 1000)
+    assert pairs == ["request_id", "r-9", "account", "a", "user", ""]
+
+
+def test_ids_are_remembered_no_longer_than_the_retention() -> None:
+    _, _, short = record_call(usage_fields(), 2.5)
+    assert list(short[:2]) == [2500, 2500]
+    _, _, long = record_call(usage_fields(), 35 * DAY_S)
+    assert list(long[:2]) == [35 * DAY_S * 1000, DEDUPE_MAX_S * 1000]
 
 
 def test_record_call_carries_every_field() -> None:
     flat = usage_fields()
-    _, _, args = record_call(flat)
-    pairs = list(args)[1:]
+    _, _, args = record_call(flat, DAY_S)
+    pairs = list(args)[2:]
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == flat
 
 
 async def test_usage_script_appends_once_per_request_id(usage_redis: aioredis.Redis) -> None:
     scripts = Scripts()
     flat = usage_fields()
-    call = record_call(flat)
+    call = record_call(flat, 35 * DAY_S)
     assert await bounded(scripts.execute(usage_redis, [call])) == [1]
     assert await bounded(scripts.execute(usage_redis, [call])) == [0]
     assert await entries(usage_redis) == [flat]
     ttl = await usage_redis.ttl("{usage}:rid:" + flat["request_id"])
-    assert 0 < ttl <= REMEMBER_S
+    assert DEDUPE_MAX_S - 60 < ttl <= DEDUPE_MAX_S
 
 
 async def test_usage_script_appends_distinct_request_ids(usage_redis: aioredis.Redis) -> None:
     scripts = Scripts()
     first, second = usage_fields(RID_PREFIX + "a"), usage_fields(RID_PREFIX + "b")
-    calls = [record_call(first), record_call(second), record_call(first)]
+    calls = [record_call(first, DAY_S), record_call(second, DAY_S), record_call(first, DAY_S)]
     assert await bounded(scripts.execute(usage_redis, calls)) == [1, 1, 0]
     assert await entries(usage_redis) == [first, second]
 
 
-# --- UsageSpool ------------------------------------------------------------------------------
+async def test_a_reused_request_id_is_still_two_records(usage_redis: aioredis.Redis) -> None:
+    """Callers may send the same x-request-id twice: two admissions, two records."""
+    scripts = Scripts()
+    first = {**usage_fields(), "attempt": "replica-1"}
+    second = {**usage_fields(), "attempt": "replica-2"}
+    calls = [record_call(first, DAY_S), record_call(second, DAY_S), record_call(first, DAY_S)]
+    assert await bounded(scripts.execute(usage_redis, calls)) == [1, 1, 0]
 
 
-def test_spool_starts_empty(tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
-    assert not spool.pending()
-    assert spool.lost == 0
-
-
-def test_spool_add_then_take(tmp_path: Path) -> None:
-    path = tmp_path / "spool.jsonl"
-    spool = spool_at(path)
-    first, second = usage_fields(RID_PREFIX + "1"), usage_fields(RID_PREFIX + "2")
-    assert spool.add(first)
-    assert spool.add(second)
-    assert spool.pending()
-    records, size = spool.take()
-    assert records == [first, second]
-    assert size == path.stat().st_size
-    # Taking does not remove: only `done` does.
-    assert spool.pending()
-    assert spool.take() == (records, size)
-
-
-def test_spool_lines_are_json_objects(tmp_path: Path) -> None:
-    path = tmp_path / "spool.jsonl"
-    spool = spool_at(path)
-    spool.add(usage_fields())
-    lines = path.read_bytes().splitlines()
-    assert [orjson.loads(line) for line in lines] == [usage_fields()]
-
-
-def test_spool_done_drops_only_what_was_taken(tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
-    first, second, later = (usage_fields(RID_PREFIX + n) for n in ("1", "2", "3"))
-    spool.add(first)
-    spool.add(second)
-    records, size = spool.take()
-    assert records == [first, second]
-    spool.add(later)  # added while the taken ones were being flushed
-    spool.done(size)
-    assert spool.pending()
-    assert spool.take()[0] == [later]
-    spool.done(spool.take()[1])
-    assert not spool.pending()
-
-
-def test_spool_done_with_everything_taken_empties_it(tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
-    spool.add(usage_fields())
-    spool.done(spool.take()[1])
-    assert not spool.pending()
-    assert spool.take() == ([], 0)
-
-
-def test_full_spool_refuses_and_counts_lost(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_an_append_trims_entries_older_than_the_retention(
+    node_per_entry: aioredis.Redis,
 ) -> None:
-    path = tmp_path / "spool.jsonl"
-    spool = spool_at(path, max_bytes=1024)
-    line = len(orjson.dumps(usage_fields())) + 1
-    fits = 1024 // line
-    assert fits >= 1
-    added = [usage_fields(f"{RID_PREFIX}{i:03d}") for i in range(fits)]
-    assert all(spool.add(r) for r in added)
-    assert spool.lost == 0
-    with caplog.at_level("ERROR", logger="gateway.usage"):
-        assert not spool.add(usage_fields(RID_PREFIX + "over"))
-        assert not spool.add(usage_fields(RID_PREFIX + "over2"))
-    assert spool.lost == 2
-    assert path.stat().st_size <= 1024
-    assert spool.take()[0] == added
-    assert sum("spool full" in r.getMessage() for r in caplog.records) == 2
+    redis = node_per_entry
+    now = await redis_ms(redis)
+    await redis.xadd(USAGE_STREAM, {"old": "1"}, id="1-0")
+    await redis.xadd(USAGE_STREAM, {"recent": "1"}, id=f"{now - 10_000}-0")
+    scripts = Scripts()
+    await bounded(scripts.execute(redis, [record_call(usage_fields(RID_PREFIX + "a"), DAY_S)]))
+    ids = [i.decode() for i, _ in await redis.xrange(USAGE_STREAM)]
+    assert ids[0] == f"{now - 10_000}-0"  # older than a day: gone; 10 s old: kept
+    assert len(ids) == 2
+
+    # retention_days 0.00002 (1.7 s): the next append leaves only what is younger.
+    await bounded(scripts.execute(redis, [record_call(usage_fields(RID_PREFIX + "b"), 1.728)]))
+    left = await redis.xrange(USAGE_STREAM)
+    assert all(int(i.decode().partition("-")[0]) >= now for i, _ in left)
+    assert [d[b"request_id"].decode() for _, d in left] == [RID_PREFIX + "a", RID_PREFIX + "b"]
 
 
-def test_spool_has_room_again_after_done(tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl", max_bytes=1024)
-    ids = itertools.count()
-    while spool.add(usage_fields(f"{RID_PREFIX}{next(ids)}")):
-        pass
-    assert spool.lost == 1
-    spool.done(spool.take()[1])
-    assert spool.add(usage_fields(RID_PREFIX + "again"))
-    assert spool.lost == 1
+# --- the spool round: trimming and the stream's gauges ----------------------------------------
 
 
-def test_unwritable_spool_counts_lost(tmp_path: Path) -> None:
-    (tmp_path / "a-file").write_text("")
-    spool = spool_at(tmp_path / "a-file" / "spool.jsonl")
-    assert not spool.add(usage_fields())
-    assert spool.lost == 1
+async def test_round_trims_and_reads_length_and_oldest_age(node_per_entry: aioredis.Redis) -> None:
+    redis = node_per_entry
+    send = store_sender(Scripts(), redis)
+    assert await bounded(trim_stream(send, DAY_S)) == StreamStats(0, 0.0)
+
+    now = await redis_ms(redis)
+    await redis.xadd(USAGE_STREAM, {"old": "1"}, id=f"{now - int(3 * DAY_S * 1000)}-0")
+    await redis.xadd(USAGE_STREAM, {"recent": "1"}, id=f"{now - 5_000}-0")
+    stats = await bounded(trim_stream(send, 35 * DAY_S))
+    assert stats.length == 2
+    assert 3 * DAY_S <= stats.oldest_age_s < 3 * DAY_S + 600
+
+    # An idle fleet trims too: no append needed, the round does it.
+    stats = await bounded(trim_stream(send, DAY_S))
+    assert stats.length == 1
+    assert 5.0 <= stats.oldest_age_s < 600
+    assert [i.decode() for i, _ in await redis.xrange(USAGE_STREAM)] == [f"{now - 5_000}-0"]
+
+
+async def test_spool_round_trims_and_stores_the_stream_stats(
+    node_per_entry: aioredis.Redis, tmp_path: Path
+) -> None:
+    settings = UsageSettings(spool_dir=str(tmp_path), retention_days=0.00002)
+    spool = UsageSpool(settings, "redis://127.0.0.1:1/0")
+    await node_per_entry.xadd(USAGE_STREAM, {"old": "1"}, id="1-0")
+    spool.add(usage_fields())
+    assert spool.stream is None
+    await bounded(spool.tend(store_sender(Scripts(), node_per_entry)))
+    assert spool.stream is not None and spool.stream.length == 1
+    assert await entries(node_per_entry) == [usage_fields()]
     assert not spool.pending()
+
+
+async def test_spool_round_on_the_in_process_store(tmp_path: Path) -> None:
+    """memory:// (`gateway demo`): the same scripts and round on fakeredis."""
+    store = connect("memory://", command_timeout_s=2.0)
+    spool = spool_in(tmp_path, "memory://")
+    spool.add(usage_fields())
+    await bounded(spool.tend(store_sender(Scripts(), store)))
+    assert await entries(store) == [usage_fields()]
+    assert spool.stream is not None and spool.stream.length == 1
+    assert not spool.pending()
+
+
+# --- store_sender: one reply per call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["resp", "redis-py"])
+async def test_sender_returns_error_replies_in_place(
+    usage_redis: aioredis.Redis, lean: bool
+) -> None:
+    store: Store = RespClient(REDIS_URL) if lean else usage_redis
+    scripts = Scripts()
+    send = store_sender(scripts, store)
+    await usage_redis.set("gw:t-ledger:not-a-stream", "x")
+    calls = [
+        record_call(usage_fields(RID_PREFIX + "a"), DAY_S),
+        ("XLEN", ["gw:t-ledger:not-a-stream"], []),
+        record_call(usage_fields(RID_PREFIX + "b"), DAY_S),
+    ]
+    # Redis forgot its scripts (a restart): the sender loads them and sends again.
+    await usage_redis.script_flush()
+    first, wrong, second = await bounded(send(calls))
+    assert (first, second) == (1, 1)
+    assert isinstance(wrong, ResponseError)
+    assert await bounded(send(calls[:1])) == [0]
+    assert [e["request_id"] for e in await entries(usage_redis)] == [
+        RID_PREFIX + "a",
+        RID_PREFIX + "b",
+    ]
+    if isinstance(store, RespClient):
+        await store.aclose()
+
+
+async def test_sender_raises_when_redis_is_away(dead_redis: aioredis.Redis) -> None:
+    send = store_sender(Scripts(), dead_redis)
+    with pytest.raises(STORE_ERRORS):
+        await bounded(send([("XLEN", [USAGE_STREAM], [])]))
+
+
+# --- a full Redis (maxmemory, noeviction): refused, spooled, sent once there is room ----------
+
+
+async def test_records_wait_in_the_spool_while_redis_is_full(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, maxmemory="2mb").start()
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        filler = await fill(client)
+        spool = spool_in(tmp_path / "spool", server.url)
+        send = store_sender(Scripts(), client)
+        flat = usage_fields()
+        assert spool.add(flat)
+        # Refused (OOM, before it wrote anything): kept, and the next round tries again.
+        assert await bounded(spool.flush(send)) == 0
+        assert await bounded(spool.flush(send)) == 0
+        assert spooled(spool) == [flat]
+        assert await client.exists("{usage}:rid:" + flat["request_id"]) == 0
+        # The round still trims and measures at maxmemory (XTRIM frees, it is not refused).
+        await bounded(spool.tend(send))
+        assert spool.stream is not None and spool.stream.length == 0
+
+        await client.delete(*filler)
+        await bounded(spool.tend(send))
+        assert await entries(client) == [flat]
+        assert not spool.pending()
+        await bounded(spool.tend(send))
+        assert await entries(client) == [flat]
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def fill(client: aioredis.Redis) -> list[str]:
+    """Put a Redis 2 MB past its 2 MB maxmemory: a script may go on writing once it has
+    written (here a DEL), so noeviction then refuses every new denyoom write, not just the
+    one that happened to cross the line."""
+    script = (
+        "redis.call('DEL', 'filler:none') "
+        "for i = 1, 200 do redis.call('SET', 'filler:' .. i, string.rep('x', 10000)) end"
+    )
+    await client.eval(script, 0)
+    with pytest.raises(ResponseError, match="maxmemory"):
+        await client.set("probe", "x")
+    return [f"filler:{i}" for i in range(1, 201)]
 
 
 # --- Admission: release with the record, spool, flush -----------------------------------------
 
 
 async def test_release_appends_the_record(usage_redis: aioredis.Redis, tmp_path: Path) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     adm = admission(usage_redis, spool)
     flat = usage_fields()
     await bounded(adm.release(lease(), flat))
@@ -233,7 +344,7 @@ async def test_release_appends_the_record(usage_redis: aioredis.Redis, tmp_path:
 async def test_release_sends_slot_account_and_record_in_one_round_trip(
     usage_redis: aioredis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     adm = admission(usage_redis, spool)
     registry = Registry(parse_config(CONFIG, "t.yaml").models)
     candidates = plan_candidates("m", None, fail_fast=False, registry=registry, allowed=None)
@@ -262,13 +373,13 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
 async def test_release_of_a_local_lease_spools_the_record(
     usage_redis: aioredis.Redis, tmp_path: Path
 ) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     adm = admission(usage_redis, spool, on_outage="local")
     local = Lease("t-ledger-local", "m", "", "gw:acct:{t-ledger}", 0.0, local=True)
     adm.holdings.held[local.id] = local
     flat = usage_fields()
     await bounded(adm.release(local, flat))
-    assert spool.take()[0] == [{**flat, "attempt": "t-ledger-local"}]
+    assert spooled(spool) == [{**flat, "attempt": "t-ledger-local"}]
     assert await entries(usage_redis) == []
     assert await bounded(adm.flush_spool()) == 1
     assert await entries(usage_redis) == [{**flat, "attempt": "t-ledger-local"}]
@@ -278,11 +389,11 @@ async def test_release_of_a_local_lease_spools_the_record(
 async def test_release_spools_the_record_when_redis_is_down(
     dead_redis: aioredis.Redis, usage_redis: aioredis.Redis, tmp_path: Path
 ) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     dead = admission(dead_redis, spool)
     flat = usage_fields()
     assert await bounded(dead.release(lease(), flat)) is None  # never an error
-    assert spool.take()[0] == [{**flat, "attempt": "t-ledger-lease-1"}]
+    assert spooled(spool) == [{**flat, "attempt": "t-ledger-lease-1"}]
     await bounded(dead.close())
 
     live = admission(usage_redis, spool)
@@ -303,7 +414,7 @@ async def test_release_spools_the_record_when_redis_is_down(
 async def test_release_without_usage_spools_nothing(
     dead_redis: aioredis.Redis, tmp_path: Path
 ) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     dead = admission(dead_redis, spool)
     await bounded(dead.release(lease()))
     assert not spool.pending()
@@ -313,28 +424,13 @@ async def test_release_without_usage_spools_nothing(
 async def test_flush_fails_while_redis_is_down_and_keeps_the_spool(
     dead_redis: aioredis.Redis, tmp_path: Path
 ) -> None:
-    spool = spool_at(tmp_path / "spool.jsonl")
+    spool = spool_in(tmp_path)
     spool.add(usage_fields())
     dead = admission(dead_redis, spool)
     with pytest.raises(STORE_ERRORS):
         await bounded(dead.flush_spool())
-    assert spool.take()[0] == [usage_fields()]
+    assert spooled(spool) == [usage_fields()]
     await bounded(dead.close())
-
-
-async def test_flush_sends_in_batches(
-    usage_redis: aioredis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("routing.admission.FLUSH_BATCH", 2)
-    spool = spool_at(tmp_path / "spool.jsonl")
-    spooled = [usage_fields(f"{RID_PREFIX}{i}") for i in range(5)]
-    for flat in spooled:
-        spool.add(flat)
-    live = admission(usage_redis, spool)
-    assert await bounded(live.flush_spool()) == 5
-    assert await entries(usage_redis) == spooled
-    assert not spool.pending()
-    await bounded(live.close())
 
 
 async def test_flush_without_spool_does_nothing(usage_redis: aioredis.Redis) -> None:
@@ -342,14 +438,3 @@ async def test_flush_without_spool_does_nothing(usage_redis: aioredis.Redis) -> 
     assert await bounded(live.flush_spool()) == 0
     assert await entries(usage_redis) == []
     await bounded(live.close())
-
-
-async def test_a_reused_request_id_is_still_two_records(
-    usage_redis: aioredis.Redis,
-) -> None:
-    """Callers may send the same x-request-id twice: two admissions, two records."""
-    scripts = Scripts()
-    first = {**usage_fields(), "attempt": "replica-1"}
-    second = {**usage_fields(), "attempt": "replica-2"}
-    calls = [record_call(first), record_call(second), record_call(first)]
-    assert await bounded(scripts.execute(usage_redis, calls)) == [1, 1, 0]
