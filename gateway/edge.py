@@ -149,7 +149,12 @@ def parse_body(body: bytes, schema: type[ModelT]) -> tuple[dict[str, Any], Model
 
 def _loads(body: bytes) -> Any:
     """The body's JSON value, refused (422) if the gateway could not pass it on intact."""
-    if _LONG_NUMBER.search(body) is None:
+    # One pass in C classifies every byte (a regex over the body cost ~8x more).
+    shape = body.translate(_SHAPE)
+    # Nesting past MAX_DEPTH takes that many opening brackets: only bodies with many
+    # containers pay for the depth check.
+    may_nest = shape.count(b"[") > MAX_DEPTH
+    if _LONG_RUN not in shape:
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -160,13 +165,13 @@ def _loads(body: bytes) -> Any:
             if "surrogate" not in exc.msg:
                 raise _malformed(exc.msg, exc.pos) from None
         else:
-            if _may_nest_too_deep(body):
+            if may_nest:
                 _check_encodable(payload)
             return payload
     # orjson reads integers past 64 bits as lossy floats; the stdlib keeps them exact.
     payload = _stdlib_loads(body)
     surrogates = _SURROGATE_ESCAPE.search(body) is not None
-    if surrogates or _may_nest_too_deep(body):
+    if surrogates or may_nest:
         _check_fit(payload, surrogates=surrogates)
     return payload
 
@@ -188,7 +193,10 @@ def _stdlib_loads(body: bytes) -> Any:
         raise _malformed(str(exc), 0) from None
 
 
-_LONG_NUMBER = re.compile(rb"[0-9]{19,}")
+# Digits become "0", "[" and "{" become "[", any other byte a space. A run of 19 digits may
+# be an integer past 64 bits (and if it sits in a string, the stdlib path costs a little).
+_SHAPE = bytes(48 if 48 <= b <= 57 else 91 if b in b"[{" else 32 for b in range(256))
+_LONG_RUN = b"0" * 19
 # The only way a lone surrogate reaches a str once the bytes are strict UTF-8: an escape.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -200,12 +208,6 @@ MAX_DEPTH = 254
 # A refused body's `loc` is bounded: so many parts, each key cut to so many characters.
 MAX_LOC_PARTS = 16
 MAX_LOC_KEY = 64
-
-
-def _may_nest_too_deep(body: bytes) -> bool:
-    # Nesting MAX_DEPTH + 1 deep takes that many opening brackets; counting them runs at C
-    # speed, so only bodies with many containers pay for the walk.
-    return len(body) > MAX_DEPTH and body.count(b"[") + body.count(b"{") > MAX_DEPTH
 
 
 class _Unfit(Exception):

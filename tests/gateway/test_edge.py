@@ -258,7 +258,11 @@ def test_deep_nesting_is_invalid_not_a_crash() -> None:
 # --- bodies the gateway could not pass on intact -------------------------------------------
 
 BIG = b', "n": 123456789012345678901'  # a run of 19+ digits: the stdlib parser's path
-PATHS = pytest.mark.parametrize("tail", [b"", BIG], ids=["orjson", "stdlib"])
+# A run of digits inside a string sends the body down the stdlib path too.
+DIGITS_IN_TEXT = b', "s": "call 12345678901234567890123"'
+PATHS = pytest.mark.parametrize(
+    "tail", [b"", BIG, DIGITS_IN_TEXT], ids=["orjson", "stdlib", "stdlib-text"]
+)
 
 
 def refused(body: bytes) -> dict[str, Any]:
