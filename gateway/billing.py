@@ -86,5 +86,7 @@ def _estimate_prompt(payload: dict[str, Any]) -> int:
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+            # Unknown part types may carry a "text" of any JSON type: only strings count.
+            texts = (p.get("text") for p in content if isinstance(p, dict))
+            chars += sum(len(t) for t in texts if isinstance(t, str))
     return max(1, chars // 4)

@@ -88,9 +88,9 @@ class RequestInvalid(GatewayError):
     code = "invalid_request"
 
     def __init__(self, detail: list[dict[str, Any]]) -> None:
-        first = detail[0] if detail else {"loc": ["body"], "msg": "invalid body"}
-        where = ".".join(str(p) for p in first["loc"])
-        super().__init__(f"{where}: {first['msg']}")
+        first = detail[0] if detail else {"loc": ["body"], "msg": "invalid body", "type": ""}
+        field = _field(first)
+        super().__init__(f"{field or 'body'}: {first['msg']}", param=field)
         self.detail = detail
 
 
@@ -114,6 +114,20 @@ class WorkerRejected(GatewayError):
     def __init__(self, status: int, message: str, *, code: str | None, param: str | None) -> None:
         super().__init__(message, code=code or "invalid_request", param=param)
         self.status = status
+
+
+class InternalError(GatewayError):
+    """A failure nobody foresaw (a bug): the last-resort answer, without details."""
+
+    status = 500
+    type = "api_error"
+    code = "internal_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway failed while handling this request; "
+            "the failure is logged under this request id."
+        )
 
 
 class UpstreamFailed(GatewayError):
@@ -148,3 +162,14 @@ class UpstreamTimeout(GatewayError):
     status = 504
     type = "api_error"
     code = "upstream_timeout"
+
+
+def _field(error: dict[str, Any]) -> str | None:
+    """The field an error names, dotted (`messages.0.content`); None for the body as a whole
+    or a JSON syntax error, whose `loc` holds a position, not a field."""
+    loc = list(error["loc"])
+    if error.get("type") == "json_invalid":
+        return None
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    return ".".join(str(part) for part in loc) or None

@@ -8,10 +8,14 @@ the ASGI I/O.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
+import traceback
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from gateway.auth import Account, key_from_headers
@@ -19,6 +23,8 @@ from gateway.billing import usage_record
 from gateway.edge import (
     ClientGone,
     Receive,
+    Reply,
+    RequestHeaders,
     Scope,
     Send,
     dumps,
@@ -28,9 +34,9 @@ from gateway.edge import (
     request_id,
     send_error,
 )
-from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
+from gateway.errors import GatewayError, InternalError, RateLimited, ServiceUnavailable
 from gateway.forward import Exchange, Hop
-from gateway.relay import Usage
+from gateway.relay import Usage, error_event
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
 from routing.admission import Admission, Admitted
@@ -41,6 +47,8 @@ from routing.registry import Model
 from tiers.policy import Tier
 from tiers.resolve import applied_tier, requested_tier
 from tiers.usage import UsageRecord
+
+log = logging.getLogger("gateway.proxy")
 
 # Fields only the gateway understands: consumed here, never sent to a worker.
 GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
@@ -74,6 +82,16 @@ class Proxy:
         started = time.perf_counter()
         headers = read_headers(scope)
         rid = request_id(headers.request_id)
+        reply = Reply(send)
+        try:
+            await self._serve(receive, reply, headers, rid, started)
+        except Exception as exc:  # the last resort (house style): it answers, logs and counts
+            if await _crashed(exc, rid, reply, stream=False):
+                self._state.metrics.requests.labels("", "", "500").inc()
+
+    async def _serve(
+        self, receive: Receive, reply: Reply, headers: RequestHeaders, rid: str, started: float
+    ) -> None:
         state = self._state
         try:
             if state.draining:
@@ -88,31 +106,36 @@ class Proxy:
             return
         except GatewayError as exc:
             state.metrics.requests.labels("", "", str(exc.status)).inc()
-            await send_error(send, exc, rid)
+            await send_error(reply, exc, rid)
             return
         wanted = requested_tier(request.service_tier, headers.service_tier)
         parsed = Parsed(rid, started, account, payload, request, wanted, headers.source)
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
-        await _until_disconnect(self._handle(parsed, exchange, send), receive, exchange)
+        await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
 
-    async def _handle(self, parsed: Parsed, exchange: Exchange, send: Send) -> None:
+    async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
         try:
             admitted = await self._admit(parsed)
         except GatewayError as exc:
             self._rejected(parsed, exc)
             exchange.finished = True
-            await send_error(send, exc, parsed.rid)
+            await send_error(reply, exc, parsed.rid)
             return
         try:
             body_for = partial(_forward_body, parsed, admitted)
-            await Hop(self._state, exchange, admitted, self._path, body_for, send).run()
+            await Hop(self._state, exchange, admitted, self._path, body_for, reply).run()
         except ClientGone:
             exchange.status = 499  # nginx's "client closed request", for metrics only
         except asyncio.CancelledError:
             exchange.status = 499
             raise
+        except Exception as exc:  # the last resort: answered, logged, and in the record
+            if not reply.ended:
+                exchange.status = 500  # the record says what the caller got
+            exchange.finished = True
+            await _crashed(exc, parsed.rid, reply, exchange.stream)
         finally:
             record: dict[str, str] | None = None
             try:
@@ -210,6 +233,41 @@ async def _until_disconnect(
         task.uncancel()
     finally:
         watcher.cancel()
+
+
+async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool:
+    """The answer to a failure nobody foresaw, however far the answer had got: a 500 before
+    it started, an SSE error event and the end of a started stream. True if it was sent."""
+    # The type and the place only: an exception's text may quote the body.
+    log.error("request %s failed: unexpected %s at %s", rid, type(exc).__name__, _where(exc))
+    if reply.ended:
+        return False
+    error = InternalError()
+    try:
+        if not reply.started:
+            await send_error(reply, error, rid)
+            return True
+        if stream:
+            event = error_event(error)
+            await reply({"type": "http.response.body", "body": event, "more_body": True})
+        await reply({"type": "http.response.body", "body": b"", "more_body": False})
+    except OSError:  # the caller is gone as well: nobody is left to tell
+        return False
+    return True
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of the gateway's own code that the exception went through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGES)] or frames
+    if not ours:
+        return "?"
+    frame = ours[-1]
+    return f"{frame.filename.removeprefix(_ROOT)}:{frame.lineno} ({frame.name})"
+
+
+_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+_PACKAGES = tuple(_ROOT + package + os.sep for package in ("gateway", "routing", "tiers"))
 
 
 def _preferred(admission: Admission, cache_key: str, model: Model) -> list[str]:

@@ -24,4 +24,7 @@ def affinity_key(prompt_cache_key: str | None, cache_salt: str | None) -> str | 
 
 
 def _weight(key: str, url: str) -> bytes:
-    return blake2b(f"{key}\x00{url}".encode(), digest_size=8).digest()
+    # surrogatepass: a key holding a lone surrogate still hashes (the edge refuses those,
+    # but hashing must never be what fails a request).
+    text = f"{key}\x00{url}".encode("utf-8", "surrogatepass")
+    return blake2b(text, digest_size=8).digest()

@@ -6,9 +6,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
+import redis
+from openai.types.chat import ChatCompletion
 
-from tests.e2e.conftest import KEY, Fleet
+from tests import conftest
+from tests.e2e.conftest import KEY, Fleet, Sdk
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
@@ -107,3 +111,89 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
     resp = http.get("/v1/completions")
     assert resp.status_code == 405
     assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- bodies the gateway could not pass on intact (issue 10 item 5) -------------------------
+
+BIG = b', "x_big": 12345678901234567890'  # 20 digits: the body goes to the stdlib parser
+CRAFTED: list[tuple[bytes, str]] = [
+    (b', "user": "\\ud800"' + BIG, "user"),
+    (b', "user": "\\ud800"', "user"),
+    (b', "prompt_cache_key": "\\ud800"', "prompt_cache_key"),
+    (b', "prompt_cache_key": "\\udc00"' + BIG, "prompt_cache_key"),
+    (b', "metadata": {"x": "\\udbff"}' + BIG, "metadata.x"),
+    (b', "deep": ' + b"[" * 1000 + b"]" * 1000, "deep"),
+]
+RAW_BASE = {
+    "/v1/completions": b'{"model": "m1", "prompt": "hi"',
+    "/v1/chat/completions": b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}]',
+}
+
+
+def leases_held(model: str) -> int:
+    store = redis.Redis.from_url(conftest.REDIS_URL)  # read late: set when the run starts
+    try:
+        return int(store.zcard(f"gw:{{{model}}}:leases"))
+    finally:
+        store.close()
+
+
+def assert_names_field(body: dict[str, Any], field: str) -> None:
+    assert ".".join(str(p) for p in body["detail"][0]["loc"]) == f"body.{field}"
+    assert body["error"]["param"] == field
+    assert body["error"]["message"].startswith(f"{field}: ")
+    assert body["error"]["code"] == "invalid_request"
+
+
+def five_hundreds(url: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
+    counted = [ln for ln in lines if ln.startswith("gateway_requests_total{")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in counted if 'code="5' in ln)
+
+
+@pytest.mark.parametrize("path", sorted(RAW_BASE))
+@pytest.mark.parametrize(("extra", "field"), CRAFTED)
+def test_crafted_body_is_422_naming_the_field(
+    fleet: Fleet, http: httpx.Client, path: str, extra: bytes, field: str
+) -> None:
+    before = five_hundreds(fleet.gateway.url)
+    resp = http.post(
+        path, content=RAW_BASE[path] + extra + b"}", headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 422, resp.text
+    assert_names_field(resp.json(), field)
+    assert resp.headers["x-should-retry"] == "false"
+    assert five_hundreds(fleet.gateway.url) == before
+    assert leases_held("m1") == 0
+
+
+def test_crafted_bodies_through_the_openai_sdk(fleet: Fleet, sdk: Sdk) -> None:
+    client = sdk(fleet.base_url)
+    chat = RAW_BASE["/v1/chat/completions"]
+    # The SDK cannot encode a lone surrogate itself: raw bytes, as another client would send.
+    for extra, field in CRAFTED:
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.post("/chat/completions", cast_to=ChatCompletion, content=chat + extra + b"}")
+        assert (info.value.param, info.value.code) == (field, "invalid_request")
+        assert field in info.value.message
+    # What the SDK can encode goes through extra_body (deeper than 300 its encoder recurses out).
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(openai.UnprocessableEntityError) as info:
+        client.chat.completions.create(
+            model="m1",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"deep": deep, "x_big": 10**20},
+        )
+    assert info.value.param == "deep"
+    assert leases_held("m1") == 0
+
+
+def test_big_integers_still_reach_the_worker(http: httpx.Client) -> None:
+    resp = http.post(
+        "/v1/completions",
+        content=RAW_BASE["/v1/completions"] + b', "max_tokens": 2' + BIG + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert resp.status_code == 200, resp.text

@@ -131,6 +131,22 @@ def test_unreported_usage_is_estimated_from_the_stream_and_prompt() -> None:
             6,
         ),
         ({"messages": []}, 1),
+        # Other part types may carry a "text" of any JSON type: only strings count.
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_audio", "text": 5},
+                            {"type": "x", "text": ["a"]},
+                            {"type": "text", "text": "t" * 8},
+                        ],
+                    }
+                ]
+            },
+            2,
+        ),
     ],
 )
 def test_estimated_prompt_tokens(payload: dict[str, Any], prompt_tokens: int) -> None:

@@ -33,3 +33,9 @@ def test_salt_separates_the_same_key() -> None:
     assert affinity_key(None, "s") is None
     assert affinity_key("k", None) == "k"
     assert affinity_key("k", "s") != affinity_key("k", None)
+
+
+def test_odd_keys_hash_without_raising() -> None:
+    # The edge refuses lone surrogates; hashing must not be what fails a request anyway.
+    for key in ["\ud800", "a\udfffb", "\x00", "\U0001f600", ""]:
+        assert sorted(rendezvous(key, URLS)) == sorted(URLS)
