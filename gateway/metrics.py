@@ -85,6 +85,12 @@ class Metrics:
         )  # fmt: skip
         # SPEC 7: the stream `usage` (fleet-wide: every replica shows the same), as of the
         # last spool round, after trimming to usage.retention_days.
+        # Not in SPEC 8: the fleet as this replica last saw it (its `on_outage: local` share
+        # is the capacity divided among these).
+        self.replicas = Gauge(
+            "gateway_replicas", "Live gateway replicas, as this one's last sweep saw them.",
+            registry=r,
+        )  # fmt: skip
         self.usage_stream_length = Gauge(
             "gateway_usage_stream_length", "Entries in the Redis stream `usage`.", registry=r
         )

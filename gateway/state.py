@@ -172,6 +172,7 @@ class GatewayState:
             if spool.stream is not None:
                 m.usage_stream_length.set(spool.stream.length)
                 m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)
+        m.replicas.set(self.admission.local.replicas)
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

@@ -56,11 +56,19 @@ class Timing:
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep.
     waiter_ttl_ms: int
+    # After a sweep had to write back what Redis lost, grants pause this long: every
+    # replica sweeps (and writes back its own) within it.
+    rebuild_ms: int = 1500
 
     @classmethod
     def of(cls, lease_ttl_s: float, sweep_interval_s: float) -> Timing:
         sweep_ms = int(sweep_interval_s * 1000)
-        return cls(int(lease_ttl_s * 1000), max(1000, 2 * sweep_ms), max(3000, 3 * sweep_ms))
+        return cls(
+            int(lease_ttl_s * 1000),
+            max(1000, 2 * sweep_ms),
+            max(3000, 3 * sweep_ms),
+            max(500, sweep_ms * 3 // 2),
+        )
 
 
 def account_key(account: str) -> str:
@@ -80,7 +88,8 @@ class ModelSlots:
         tag = "gw:{" + model + "}:"
         self.model = model
         self.keys = [
-            tag + k for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp")
+            tag + k
+            for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild")
         ]
         self.channel = tag + "wake"
         self._timing = timing
@@ -160,6 +169,7 @@ class ModelSlots:
         args.append(len(waiters))
         for waiter_id, place in waiters:
             args += (waiter_id, place)
+        args.append(t.rebuild_ms)
         return ("sweep", self.keys, args)
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:

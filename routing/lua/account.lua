@@ -6,4 +6,6 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+-- The key goes with its last entry: accounts of replicas that died leave nothing behind.
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1

@@ -10,4 +10,5 @@ for i = 2, #ARGV do
     restored[#restored + 1] = ARGV[i]
   end
 end
+if #ARGV > 1 then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1])) end
 return restored

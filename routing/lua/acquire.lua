@@ -13,7 +13,7 @@ pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first.
 local inflight = redis.call('ZCARD', KEYS[1])
-if inflight < ceilings[rank + 1] then
+if inflight < ceilings[rank + 1] and not rebuilding() then
   local ep = pick(eps, ARGV[8])
   if ep then
     grant(id, ep, now + ttl)

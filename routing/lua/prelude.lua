@@ -8,6 +8,8 @@
 -- KEYS[6] freed    STRING slots freed so far (releases and expiries), for Retry-After
 -- KEYS[7] qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so
 --                  the waiters of a dead replica leave the queue within the waiter TTL
+-- KEYS[8] rebuild  STRING, present for a short while after a sweep had to write back what
+--                  Redis lost: no slot is granted until every replica has written back its own
 local RANK = 1e15
 
 local function now_ms()
@@ -90,11 +92,17 @@ local function eligible_head(inflight, ceilings)
   return nil
 end
 
+-- Redis lost this model's state (restart, failover) and replicas are writing back what they
+-- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
+local function rebuilding()
+  return redis.call('EXISTS', KEYS[8]) == 1
+end
+
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
 -- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
 -- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization.
 local function pump(now, claim, ceilings, eps, channel)
-  if redis.call('ZCARD', KEYS[2]) == 0 then return 0 end
+  if redis.call('ZCARD', KEYS[2]) == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
     local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings)

@@ -5,7 +5,8 @@
 --     claim those granted meanwhile (a wake-up message may have been lost);
 --  4. hand free slots on; 5. report the model's state.
 -- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5..7 ceilings, 8.. endpoints,
---       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs.
+--       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
+--       rebuild_ms: how long grants pause once this sweep had to write anything back.
 -- Returns {{inflight, queued priority, default, flex, freed so far}, written-back lease ids,
 --          one entry per waiter: its granted endpoint or ''}.
 local now = now_ms()
@@ -18,7 +19,7 @@ for i = at + 1, at + 2 * n, 2 do
   if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
 end
 at = at + 2 * n + 1
-local granted = {}
+local granted, requeued = {}, 0
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
   local id = ARGV[i]
   local ep = redis.call('HGET', KEYS[3], id)
@@ -35,8 +36,12 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
       redis.call('ZADD', KEYS[7], now + wttl, id)
       local seq = tonumber(place) % RANK
       if tonumber(redis.call('GET', KEYS[5]) or '0') < seq then redis.call('SET', KEYS[5], score(seq)) end
+      requeued = requeued + 1
     end
   end
+end
+if #restored + requeued > 0 and not rebuilding() then
+  redis.call('SET', KEYS[8], '1', 'PX', ARGV[at + 2 * tonumber(ARGV[at]) + 1])
 end
 pump(now, tonumber(ARGV[2]), ceilings_at(5), eps, ARGV[4])
 local function queued(rank)

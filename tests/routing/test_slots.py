@@ -456,8 +456,32 @@ async def test_sweep_requeues_lost_waiters_at_their_place(real_redis: aioredis.R
     late = await m.acquire("late", Tier.DEFAULT, may_wait=True)
     assert late.status == QUEUED
     assert await m.queue() == ["p1", "d1", "d2", "late"]
+    await real_redis.delete(m.slots.keys[7])  # the rebuild window is over
     assert await m.release("l1") == 1
     assert "p1" in await m.leases()
+
+
+async def test_a_sweep_that_wrote_back_pauses_grants_for_the_other_replicas(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Replica A sweeps first after a restart: its leases are back, replica B's not yet.
+    The free-looking slots are B's; nothing is granted until B has swept too."""
+    m = Model(real_redis, slots())
+    assert (await m.acquire("a1", affinity=[A])).endpoint == A
+    assert (await m.acquire("b1", affinity=[B])).endpoint == B
+    waiting = await m.acquire("wa", may_wait=True)
+    await real_redis.flushdb()
+    place = Tier.DEFAULT.rank * RANK + waiting.place
+    await m.sweep(leases=[("a1", A)], waiters=[("wa", place)])  # replica A
+    assert await m.queue() == ["wa"]  # not granted B's slot
+    assert (await m.acquire("n")).status == BUSY
+    assert (await real_redis.pttl(m.slots.keys[7])) > 0
+    found = await m.sweep(leases=[("b1", B)])  # replica B, within the window
+    assert found.restored == ["b1"] and found.state.inflight == 2
+    await real_redis.delete(m.slots.keys[7])  # the window ends
+    assert (await m.acquire("n2")).status == BUSY  # full, now truly
+    await m.release("b1")
+    assert await m.leases() == {"a1", "wa"}
 
 
 async def test_sweep_claims_a_grant_whose_wake_up_was_lost(real_redis: aioredis.Redis) -> None:

@@ -1,0 +1,438 @@
+"""SPEC 4, "Guarantees under faults", done for real: a private redis-server is restarted
+empty, stalled with SIGSTOP, killed; a gateway replica is killed -9 with waiters queued.
+The invariants are read from the workers' own counters and from Redis itself.
+
+Long requests are streams the test holds open and closes itself. Waits on other processes
+are bounded polls (there is no event to wait on across processes); the bounds are the
+guarantees under test (a sweep, a command timeout, a claim or waiter TTL) plus slack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from tests.e2e import procs
+from tests.e2e.conftest import digest
+from tests.redis_server import RedisServer
+
+KEY = "sk-faults-acme"
+KEY_ONE = "sk-faults-one"  # one request in flight at most
+KEY_TWO = "sk-faults-two"  # two
+LEASE_TTL_S = 3
+COMMAND_TIMEOUT_S = 0.5
+SWEEP_S = min(1.0, LEASE_TTL_S / 4)
+WAITER_TTL_S = max(3.0, 3 * SWEEP_S)
+CLAIM_S = max(1.0, 2 * SWEEP_S)
+SLACK_S = 3.0  # a busy 2-core CI machine
+
+
+@dataclass
+class Fleet:
+    redis: RedisServer
+    replicas: list[procs.Proc]
+    workers: list[procs.Proc]  # m: two endpoints of 4
+    single: procs.Proc  # q: one endpoint of 1
+    config: str
+    tmp: Path
+
+
+def fleet_config(redis_url: str, workers: list[procs.Proc], single: procs.Proc) -> str:
+    return f"""
+redis: {{url: "{redis_url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: {COMMAND_TIMEOUT_S}}}
+tiers:
+  default: {{queue_timeout_s: 30}}
+  priority: {{queue_timeout_s: 30}}
+models:
+  m:
+    tiers: [default, priority]
+    endpoints:
+      - {{url: "{workers[0].url}", max_concurrency: 4, model: m1}}
+      - {{url: "{workers[1].url}", max_concurrency: 4, model: m1}}
+  q:
+    endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]
+  free:
+    endpoints: [{{url: "{workers[0].url}", max_concurrency: 100, model: m1}}]
+keys:
+  - {{sha256: "{digest(KEY)}", account: faults-acme}}
+  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
+  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
+"""
+
+
+def long_sim(tmp: Path, max_seqs: int) -> procs.Proc:
+    # Streams of ~40 s that the tests cut short themselves.
+    return procs.sim(
+        tmp, "--max-seqs", str(max_seqs), "--ttft-ms", "0", "--itl-ms", "10", "--tokens", "4000"
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("faults")
+    server = RedisServer(tmp).start()
+    started: list[procs.Proc] = []
+    try:
+        # The workers take more than the gateway gives them (max-seqs 8 > 4): if the
+        # gateway over-admits, their own counters show it.
+        workers = [long_sim(tmp, 8), long_sim(tmp, 8)]
+        single = long_sim(tmp, 4)
+        started += [*workers, single]
+        config = fleet_config(server.url, workers, single)
+        replicas = [procs.gateway(tmp, config) for _ in range(2)]
+        started += replicas
+        yield Fleet(server, replicas, workers, single, config, tmp)
+    finally:
+        for proc in started:
+            proc.stop()
+        server.stop()
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class Refused(Exception):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status = status
+
+
+@asynccontextmanager
+async def held(url: str, model: str, key: str = KEY, **extra: Any) -> AsyncIterator[None]:
+    """A long stream, admitted and flowing until the block ends (then the slot frees)."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        payload = {"model": model, "prompt": "x", "stream": True, **extra}
+        async with client.stream("POST", "/v1/completions", json=payload, headers=auth(key)) as r:
+            if r.status_code != 200:
+                raise Refused(r.status_code, (await r.aread()).decode())
+            chunks = r.aiter_bytes()  # keep a reference: a collected iterator closes the stream
+            await anext(chunks)
+            yield
+
+
+async def post(url: str, model: str, key: str = KEY, **extra: Any) -> httpx.Response:
+    payload = {"model": model, "prompt": "x", "max_tokens": 2, **extra}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await client.post("/v1/completions", json=payload, headers=auth(key))
+
+
+async def get(url: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.get(url)
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, limit_s: float) -> float:
+    """Poll `check` until true, at most `limit_s`; the seconds it took."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < limit_s, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+@asynccontextmanager
+async def redis_of(fleet: Fleet) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(fleet.redis.url, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def zcard(fleet: Fleet, key: str) -> int:
+    async with redis_of(fleet) as client:
+        return int(await client.zcard(key))
+
+
+async def queue_ids(fleet: Fleet, model: str) -> list[str]:
+    async with redis_of(fleet) as client:
+        return [m.decode() for m in await client.zrange("gw:{" + model + "}:queue", 0, -1)]
+
+
+def worker_load(worker: procs.Proc) -> dict[str, float]:
+    """The worker's own counters: now and the most ever (running, waiting)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(worker.url + "/metrics").text.splitlines():
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "sim:peak_requests_running", "sim:peak_requests_waiting"):  # fmt: skip
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def assert_never_overloaded(fleet: Fleet) -> None:
+    """The gateway gives each worker of `m` at most 4; the workers would take 8."""
+    for worker in fleet.workers:
+        load = worker_load(worker)
+        assert load["sim:peak_requests_running"] <= 4, (worker.url, load)
+        assert load["sim:peak_requests_waiting"] == 0, (worker.url, load)
+
+
+async def assert_clean(fleet: Fleet, limit_s: float = LEASE_TTL_S + SLACK_S) -> None:
+    """Nothing held in Redis once everything has ended (bounded: dead holders expire)."""
+    left: list[str] = []
+
+    async def clean() -> bool:
+        left[:] = await leftovers(fleet.redis.url, ("m", "q", "free"))
+        return not left
+
+    try:
+        await until(clean, "Redis to hold nothing", limit_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {left}") from None
+
+
+async def leftovers(url: str, models: tuple[str, ...]) -> list[str]:
+    """What Redis still holds for requests: leases, waiters, endpoint loads, account entries."""
+    found: list[str] = []
+    client = aioredis.Redis.from_url(url, socket_timeout=5)
+    try:
+        for model in models:
+            tag = "gw:{" + model + "}:"
+            for key in ("leases", "queue", "qexp"):
+                if members := await client.zrange(tag + key, 0, -1):
+                    found.append(f"{tag}{key}: {members}")
+            if held_by := await client.hgetall(tag + "ep_of"):
+                found.append(f"{tag}ep_of: {held_by}")
+            if sum(int(v) for v in await client.hvals(tag + "ep_load")):
+                found.append(f"{tag}ep_load: {await client.hgetall(tag + 'ep_load')}")
+        async for key in client.scan_iter(match="gw:acct:*"):
+            if members := await client.zrange(key, 0, -1):
+                found.append(f"{key!r}: {members}")
+    finally:
+        await client.aclose()
+    return found
+
+
+# --- Redis restarted empty ---------------------------------------------------------------------
+
+
+async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: Fleet) -> None:
+    """Item 1: 8 streams hold capacity 8, two waiters queue, one account is at its limit;
+    Redis restarts empty. Within a sweep everything is written back: new fail-fast
+    requests are refused, the account limit holds, the waiters keep their order."""
+    a, b = (r.url for r in fleet.replicas)
+    async with AsyncExitStack() as streams:
+        for i in range(7):
+            await streams.enter_async_context(held((a, b)[i % 2], "m"))
+        await streams.enter_async_context(held(b, "m", key=KEY_ONE))
+        first = asyncio.create_task(post(a, "m"))
+        await until(lambda: _queued(fleet, "m", 1), "the first waiter", 5)
+        second = asyncio.create_task(post(b, "m"))
+        await until(lambda: _queued(fleet, "m", 2), "the second waiter", 5)
+        order = await queue_ids(fleet, "m")
+
+        fleet.redis.restart_empty()
+        took = await until(lambda: _rebuilt(fleet, order), "the rebuild", SWEEP_S + SLACK_S)
+
+        busy = await asyncio.gather(*(post((a, b)[i % 2], "m", fail_fast=True) for i in range(8)))
+        assert [r.status_code for r in busy] == [429] * 8, [r.text for r in busy]
+        assert {r.json()["error"]["code"] for r in busy} == {"model_busy"}
+        over = await post(a, "free", key=KEY_ONE)
+        assert over.status_code == 429 and over.json()["error"]["code"] == "concurrency_limit"
+        assert not first.done() and not second.done()
+        await streams.aclose()  # slots free: the waiters go, first come first served
+    answers = await asyncio.wait_for(asyncio.gather(first, second), 20)
+    assert [r.status_code for r in answers] == [200, 200]
+    assert_never_overloaded(fleet)
+    await assert_clean(fleet)
+    print(f"rebuilt {took:.2f}s after the restart")
+
+
+async def _queued(fleet: Fleet, model: str, count: int) -> bool:
+    return len(await queue_ids(fleet, model)) == count
+
+
+async def _rebuilt(fleet: Fleet, order: list[str]) -> bool:
+    return (
+        await zcard(fleet, "gw:{m}:leases") == 8
+        and await queue_ids(fleet, "m") == order
+        and await zcard(fleet, "gw:acct:{faults-one}") == 1
+    )
+
+
+# --- Redis stalled ------------------------------------------------------------------------------
+
+
+async def test_a_stalled_redis_is_an_outage_not_a_hang(fleet: Fleet) -> None:
+    """Item 2: SIGSTOP. Requests are answered 503 within the command timeout plus a sweep,
+    /readyz says so, admitted streams go on, and the gateway recovers by itself."""
+    a, b = (r.url for r in fleet.replicas)
+    async with held(a, "m"):
+        fleet.redis.pause()
+        try:
+            started = time.monotonic()
+            answers = await asyncio.gather(post(a, "m"), post(b, "m", fail_fast=True))
+            waited = time.monotonic() - started
+            assert [r.status_code for r in answers] == [503, 503]
+            assert all("Redis" in r.json()["error"]["message"] for r in answers)
+            assert waited < COMMAND_TIMEOUT_S + SWEEP_S + SLACK_S, waited
+            ready = await get(a + "/readyz")
+            assert ready.status_code == 503 and "redis" in ready.json()["reason"]
+        finally:
+            fleet.redis.resume()
+        await until(lambda: _ok(a, "m"), "admission to come back", SWEEP_S + SLACK_S)
+        assert (await get(a + "/readyz")).status_code == 200
+    assert_never_overloaded(fleet)
+    await assert_clean(fleet)
+    print(f"a request sent during the stall waited {waited:.2f}s")
+
+
+async def _ok(url: str, model: str) -> bool:
+    return (await post(url, model, fail_fast=True)).status_code == 200
+
+
+# --- account entries of waiters -------------------------------------------------------------
+
+
+async def test_a_waiters_account_entry_outlives_the_lease_ttl(fleet: Fleet) -> None:
+    """Item 4: a request waits in the queue longer than the lease TTL; its entry in the
+    account's count stays (its replica keeps it alive), so the limit still holds."""
+    a, b = (r.url for r in fleet.replicas)
+    async with held(a, "q"):
+        waiter = asyncio.create_task(post(b, "q", key=KEY_TWO))
+        await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
+        async with redis_of(fleet) as client:
+            entry, first_expiry = (
+                await client.zrange("gw:acct:{faults-two}", 0, -1, withscores=True)
+            )[0]
+
+            async def pushed() -> bool:
+                score = await client.zscore("gw:acct:{faults-two}", entry)
+                return score is not None and score > first_expiry + LEASE_TTL_S * 1000
+
+            # Kept alive past the TTL it was taken with.
+            await until(pushed, "the entry to be kept alive", LEASE_TTL_S + SWEEP_S + SLACK_S)
+        async with held(a, "free", key=KEY_TWO):  # one waiting + one running = the limit
+            over = await post(a, "free", key=KEY_TWO)
+            assert over.status_code == 429 and over.json()["error"]["code"] == "concurrency_limit"
+        assert not waiter.done()
+    assert (await asyncio.wait_for(waiter, 20)).status_code == 200
+    await assert_clean(fleet)
+
+
+# --- a replica dies with waiters ----------------------------------------------------------------
+
+
+async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None:
+    """Item 10: a replica killed -9 with three waiters at the head of the queue. A live
+    waiter behind them is served once the slot frees: the dead ones leave within the
+    waiter TTL, and a slot granted to one of them comes back after the claim time."""
+    a, b = (r.url for r in fleet.replicas)
+    doomed = procs.gateway(fleet.tmp, fleet.config)
+    try:
+        async with held(a, "q"):
+            dead = [asyncio.create_task(post(doomed.url, "q")) for _ in range(3)]
+            await until(lambda: _queued(fleet, "q", 3), "the doomed replica's waiters", 5)
+            live = asyncio.create_task(post(b, "q"))
+            await until(lambda: _queued(fleet, "q", 4), "the live waiter", 5)
+            doomed.stop(signal.SIGKILL)
+            await asyncio.gather(*dead, return_exceptions=True)  # their connections died
+            gone = await until(
+                lambda: _queued(fleet, "q", 1), "dead waiters to leave", WAITER_TTL_S + SLACK_S
+            )
+        started = time.monotonic()
+        served = await asyncio.wait_for(live, CLAIM_S + WAITER_TTL_S + SLACK_S)
+        assert served.status_code == 200
+        served_s = time.monotonic() - started
+        print(f"dead waiters left in {gone:.2f}s; the live one served {served_s:.2f}s later")
+    finally:
+        doomed.stop(signal.SIGKILL)
+    await assert_clean(fleet)
+
+
+async def test_a_grant_to_a_dead_waiter_goes_back_after_the_claim_time(fleet: Fleet) -> None:
+    """Item 10: the slot is granted to a dead replica's waiter before its queue entry
+    expires; nobody claims it, so it returns within the claim time and the live waiter
+    behind gets it (instead of after the lease TTL)."""
+    a, b = (r.url for r in fleet.replicas)
+    doomed = procs.gateway(fleet.tmp, fleet.config)
+    try:
+        async with held(a, "q"):
+            dead = asyncio.create_task(post(doomed.url, "q"))
+            await until(lambda: _queued(fleet, "q", 1), "the doomed waiter", 5)
+            live = asyncio.create_task(post(b, "q"))
+            await until(lambda: _queued(fleet, "q", 2), "the live waiter", 5)
+            doomed.stop(signal.SIGKILL)
+            await asyncio.gather(dead, return_exceptions=True)
+        # The held stream ended at once: its slot went to the dead waiter (head of queue).
+        served = await asyncio.wait_for(live, CLAIM_S + SWEEP_S + SLACK_S)
+        assert served.status_code == 200
+    finally:
+        doomed.stop(signal.SIGKILL)
+    await assert_clean(fleet)
+
+
+# --- on_outage: local ---------------------------------------------------------------------------
+
+
+@dataclass
+class LocalFleet:
+    redis: RedisServer
+    replicas: list[procs.Proc]
+    worker: procs.Proc
+
+
+@pytest.fixture(scope="module")
+def local_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    tmp = tmp_path_factory.mktemp("local")
+    server = RedisServer(tmp).start()
+    started: list[procs.Proc] = []
+    try:
+        worker = long_sim(tmp, 8)  # the gateway gives it 3
+        started.append(worker)
+        config = f"""
+redis: {{url: "{server.url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: {COMMAND_TIMEOUT_S},
+        on_outage: local}}
+models:
+  l: {{endpoints: [{{url: "{worker.url}", max_concurrency: 3, model: m1}}]}}
+keys: [{{sha256: "{digest(KEY)}", account: faults-acme}}]
+"""
+        replicas = [procs.gateway(tmp, config) for _ in range(2)]
+        started += replicas
+        yield LocalFleet(server, replicas, worker)
+    finally:
+        for proc in started:
+            proc.stop()
+        server.stop()
+
+
+async def test_local_shares_add_up_to_the_capacity(local_fleet: LocalFleet) -> None:
+    """Item 12: Redis dies under two `on_outage: local` replicas; one stream admitted before
+    counts against its replica's share; together they admit the capacity, not more."""
+    a, b = (r.url for r in local_fleet.replicas)
+    for url in (a, b):  # each replica's view of the fleet is one sweep old
+        await until(lambda url=url: _sees(url, 2), "both replicas to see each other", 5)
+    async with AsyncExitStack() as streams:
+        await streams.enter_async_context(held(a, "l"))
+        local_fleet.redis.kill()
+        admitted = 1
+        for i in range(6):
+            try:
+                await streams.enter_async_context(held((a, b)[i % 2], "l", fail_fast=True))
+                admitted += 1
+            except Refused as refused:
+                assert refused.status == 429, refused  # this replica's share is full
+        running = worker_load(local_fleet.worker)["vllm:num_requests_running"]
+        assert admitted == 3 and running == 3, (admitted, running)
+        local_fleet.redis.start()
+    load = worker_load(local_fleet.worker)
+    assert load["sim:peak_requests_running"] <= 3 and load["sim:peak_requests_waiting"] == 0
+
+
+async def _sees(url: str, replicas: int) -> bool:
+    return f"gateway_replicas {replicas:.1f}" in (await get(url + "/metrics")).text
