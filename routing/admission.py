@@ -479,12 +479,12 @@ class Admission:
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
         """Give back every slot this replica still holds (best effort) and finish what is
         on its way; records of releases Redis never answered wait on disk."""
         for lease in list(self.holdings.held.values()):
             self.release(lease)
-        await self.drain()
+        await self.drain(timeout_s)
         for usage in list(self._releasing.values()):
             self._spool(usage)
         self._releasing.clear()

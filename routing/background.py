@@ -42,7 +42,7 @@ class BackgroundErrors:
 
 
 async def every(
-    task: str,
+    task_name: str,
     interval_s: float,
     work: Callable[[], Awaitable[object]],
     errors: BackgroundErrors,
@@ -51,6 +51,7 @@ async def every(
 ) -> None:
     """Run `work` now and then every `interval_s` after each round ends, until cancelled.
     A round longer than `timeout_s` is cut and counts as an error."""
+    task = asyncio.current_task()
     while True:
         try:
             if timeout_s is None:
@@ -61,7 +62,10 @@ async def every(
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a background loop must survive whatever one round raises
-            errors.failed(task, exc)
+            errors.failed(task_name, exc)
         else:
-            errors.succeeded(task)
+            errors.succeeded(task_name)
+        if task is not None and task.cancelling():
+            # Cancelled, but the round swallowed it (redis-py may, inside a pipeline).
+            raise asyncio.CancelledError
         await asyncio.sleep(interval_s)

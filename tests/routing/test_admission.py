@@ -18,11 +18,13 @@ from gateway.errors import RateLimited, ServiceUnavailable
 from gateway.settings import GatewayConfig, parse_config
 from routing.admission import Admission, Admitted, Lease
 from routing.keeper import Keeper
+from routing.ledger import UsageSettings, UsageSpool
 from routing.plan import Candidate, plan_candidates
 from routing.registry import Model, Registry
 from routing.resp import RespClient
 from routing.slots import QUEUED, text
 from tests.conftest import REDIS_URL
+from tests.factories import usage_record
 from tests.redis_server import RedisServer
 from tiers.policy import Tier
 
@@ -206,9 +208,10 @@ async def admit(
     *,
     account: str = "t-acme",
     limit: int = 100,
+    affinity: Callable[[Model], Sequence[str] | None] | None = None,
 ) -> Admitted:
     tier_of = tier_is(tier) if isinstance(tier, Tier) else tier
-    return await bounded(adm.admit(candidates, tier_of, account, limit))
+    return await bounded(adm.admit(candidates, tier_of, account, limit, affinity))
 
 
 async def fill(fleet: Fleet, adm: Admission, model: str, count: int) -> list[Lease]:
@@ -808,3 +811,114 @@ async def test_randomized_concurrent_requests_never_exceed_capacity(
         assert adm.waiters == {}
     await fleet.close()  # keepers stopped, clean-ups finished
     await fleet.assert_clean()
+
+
+# --- the smaller faults of issue 10 (item 14) ---------------------------------------------------
+
+
+async def test_a_script_flush_does_not_count_a_request_twice(fleet: Fleet) -> None:
+    """Redis lost its scripts: the batch (account + acquire) is resent, but only the calls
+    that did not run, so an account of limit 1 is not at its limit with one request."""
+    adm = await fleet.admission()
+    await fleet.redis.script_flush()
+    lease = (await admit(adm, fleet.plan("two"), limit=1)).lease
+    assert await fleet.account() == 1
+    await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
+async def test_an_error_reply_gives_back_what_the_other_call_took(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    await fleet.redis.set("gw:{two}:leases", "not a zset")  # the acquire will fail
+    try:
+        with pytest.raises(ServiceUnavailable):
+            await admit(adm, fleet.plan("two"))
+        await bounded(adm.drain())
+        assert await fleet.account() == 0  # the account call had taken an entry: given back
+    finally:
+        await fleet.redis.delete("gw:{two}:leases")
+    await fleet.assert_clean()
+
+
+async def test_reroute_keeps_the_slot_away_from_the_queue(fleet: Fleet) -> None:
+    """Item 14: the endpoint of a request cannot be reached and leaves rotation; the model's
+    capacity drops to what is in flight, so a waiter queues. Moving the request must not
+    hand its slot to that waiter (a release would), or the retry finds no room."""
+    adm = await fleet.admission()
+    await fleet.keeper(adm)
+    queued = watch_queued(adm)
+    lease = (await admit(adm, fleet.plan("two"), affinity=lambda _: ["http://two-a:8000"])).lease
+    assert lease.endpoint == "http://two-a:8000"
+    adm.set_endpoints("two", [("http://two-b:8000", 1, 0.0)])  # two-a is out of rotation
+    waiter = asyncio.create_task(admit(adm, fleet.plan("two")))
+    await bounded(queued.get())
+    assert await adm.reroute(lease, "http://two-a:8000")
+    assert lease.endpoint == "http://two-b:8000"
+    assert not waiter.done() and await fleet.queued("two") == 1
+    assert await fleet.load("two") == 1
+    await bounded(adm.release(lease))
+    await bounded(adm.release((await bounded(waiter)).lease))
+    await fleet.assert_clean()
+
+
+async def test_releases_unanswered_at_shutdown_spool_their_records(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    adm = await fleet.admission()
+    adm.spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    never = asyncio.Event()
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if calls[0][0] == "release":
+            await never.wait()  # Redis never answers
+        return await send()
+
+    intercept(adm, around)
+    adm.release(lease, usage_record(request_id="t-shutdown").to_fields())
+    await bounded(adm.close(timeout_s=0.2))
+    assert adm.spool.size_bytes() > 0
+    never.set()
+
+
+async def test_a_sweep_that_raises_is_counted_and_the_next_runs(fleet: Fleet) -> None:
+    """Item 3: any error in a round (not only Redis errors) leaves the loop running."""
+    adm = await fleet.admission()
+    keeper = Keeper(adm, fleet.client(socket_timeout=None), interval_s=0.01)
+    real = keeper._round
+    calls = 0
+
+    def broken() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ValueError("something nobody foresaw")
+        return real()
+
+    keeper._round = broken  # type: ignore[method-assign]
+    swept = asyncio.Event()
+    apply = keeper._apply
+
+    def applied(*args: Any) -> None:
+        apply(*args)
+        swept.set()
+
+    keeper._apply = applied  # type: ignore[method-assign]
+    await keeper.start()
+    try:
+        await bounded(swept.wait())
+    finally:
+        await bounded(keeper.close())
+    assert keeper.errors.counts["sweep"] == 1
+
+
+async def test_calls_that_never_left_leave_nothing_in_doubt(fleet: Fleet) -> None:
+    """A refused connection: Redis did nothing, so there is nothing for the sweeps to undo
+    (during a long outage every request would otherwise add an id to forget)."""
+    if fleet.store != "resp":
+        pytest.skip("only the lean client knows a call was never written")
+    adm = await fleet.admission(redis=dead_redis(fleet))
+    for _ in range(3):
+        with pytest.raises(ServiceUnavailable):
+            await admit(adm, fleet.plan("two"))
+    assert adm.holdings.orphans == {}

@@ -1,4 +1,5 @@
-"""/readyz while Redis is stalled (SIGSTOP): a prompt 503, never a hang; ready again after."""
+"""/readyz (SPEC 1): 503 with the reason while Redis does not answer (a stall is a prompt
+503, never a hang), while a model has no healthy endpoint, or while draining."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ redis: {{url: "{url}", command_timeout_s: 0.3}}
 models:
   m1:
     endpoints: [{{url: "http://127.0.0.1:9", max_concurrency: 2}}]
+  m2:
+    endpoints:
+      - {{url: "http://127.0.0.1:10", max_concurrency: 2}}
+      - {{url: "http://127.0.0.1:11", max_concurrency: 2}}
 """
 
 
@@ -52,3 +57,22 @@ async def test_readyz_is_503_while_redis_is_stalled(private_redis: RedisServer) 
             assert (await readyz()).status_code == 200
     finally:
         await asyncio.wait_for(state.close(), 10)
+
+
+async def test_readyz_names_a_model_without_a_healthy_endpoint_and_draining(
+    private_redis: RedisServer,
+) -> None:
+    state = GatewayState(parse_config(CONFIG.format(url=private_redis.url), "ready.yaml"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        assert (await http.get("/readyz")).status_code == 200
+        state.health.unreachable("http://127.0.0.1:10")  # m2 keeps one endpoint
+        assert (await http.get("/readyz")).status_code == 200
+        state.health.unreachable("http://127.0.0.1:9")  # m1 has none left
+        down = await http.get("/readyz")
+        assert down.status_code == 503
+        assert down.json() == {"status": "unavailable", "reason": "no healthy endpoint for m1"}
+        assert (await http.get("/healthz")).status_code == 200  # alive all the same
+        state.draining = True
+        assert (await http.get("/readyz")).json()["reason"] == "shutting down"
+    await asyncio.wait_for(state.close(), 10)

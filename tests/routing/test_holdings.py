@@ -1,0 +1,49 @@
+"""What a replica holds, and the ids in doubt it must forget (bounded)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from routing.holdings import FORGET_ROUNDS, MAX_ORPHANS, Holdings, Lease, Waiter
+
+
+def test_in_doubt_ids_are_forgotten_after_their_rounds() -> None:
+    holdings = Holdings()
+    holdings.doubt("l1", "m", None)
+    holdings.doubt("l1", None, "gw:acct:{a}")  # merged, not replaced
+    models, accounts = holdings.orphans_by_model()
+    assert (dict(models), dict(accounts)) == ({"m": ["l1"]}, {"gw:acct:{a}": ["l1"]})
+    for _ in range(FORGET_ROUNDS - 1):
+        holdings.forgotten(["l1"])
+        assert "l1" in holdings.orphans
+    holdings.forgotten(["l1"])
+    assert holdings.orphans == {}
+
+
+def test_in_doubt_ids_are_bounded_in_number_and_age() -> None:
+    holdings = Holdings()
+    for i in range(MAX_ORPHANS + 5):
+        holdings.doubt(f"l{i}", "m", None)
+    assert len(holdings.orphans) == MAX_ORPHANS
+    assert "l0" not in holdings.orphans and f"l{MAX_ORPHANS + 4}" in holdings.orphans
+    newest = holdings.orphans[f"l{MAX_ORPHANS + 4}"].since
+    holdings.prune(60.0, now=newest + 61.0)
+    assert holdings.orphans == {}
+
+
+async def test_what_the_sweep_sends_back() -> None:
+    holdings = Holdings()
+    holdings.held["l1"] = Lease("l1", "m", "http://a", "gw:acct:{a}", 0.0)
+    holdings.held["local"] = Lease("local", "m", "", "gw:acct:{a}", 0.0, local=True)
+    loop = asyncio.get_running_loop()
+    holdings.waiters["w1"] = Waiter("m", loop.create_future(), place=10**15 + 3)
+    holdings.waiters["w2"] = Waiter("m", loop.create_future())  # not confirmed queued yet
+    woken = Waiter("m", loop.create_future(), place=10**15 + 4)
+    woken.future.set_result("http://a")
+    holdings.waiters["w3"] = woken
+    holdings.walking["w1"] = "gw:acct:{b}"
+    assert holdings.leases_by_model() == {"m": [("l1", "http://a")]}
+    assert holdings.waiters_by_model() == {"m": [("w1", 10**15 + 3)]}
+    assert holdings.entries_by_account() == {"gw:acct:{a}": ["l1"], "gw:acct:{b}": ["w1"]}
+    assert holdings.is_live("l1") and holdings.is_live("w1") and not holdings.is_live("w3")
+    assert holdings.holding("m") == 2
