@@ -10,8 +10,11 @@ guarantees under test (a sweep, a command timeout, a claim or waiter TTL) plus s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import time
+import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -111,12 +114,24 @@ class Refused(Exception):
         self.status = status
 
 
+RUN = uuid.uuid4().hex[:8]
+_ids = itertools.count()
+
+
+def rid(test: str) -> str:
+    """A request id unique to this run and test: its usage record is found by it."""
+    return f"faults-{RUN}-{test}-{next(_ids)}"
+
+
 @asynccontextmanager
-async def held(url: str, model: str, key: str = KEY, **extra: Any) -> AsyncIterator[None]:
+async def held(
+    url: str, model: str, key: str = KEY, rid: str | None = None, **extra: Any
+) -> AsyncIterator[None]:
     """A long stream, admitted and flowing until the block ends (then the slot frees)."""
+    headers = {**auth(key), **({"x-request-id": rid} if rid else {})}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         payload = {"model": model, "prompt": "x", "stream": True, **extra}
-        async with client.stream("POST", "/v1/completions", json=payload, headers=auth(key)) as r:
+        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
             if r.status_code != 200:
                 raise Refused(r.status_code, (await r.aread()).decode())
             chunks = r.aiter_bytes()  # keep a reference: a collected iterator closes the stream
@@ -124,10 +139,33 @@ async def held(url: str, model: str, key: str = KEY, **extra: Any) -> AsyncItera
             yield
 
 
-async def post(url: str, model: str, key: str = KEY, **extra: Any) -> httpx.Response:
+async def post(
+    url: str, model: str, key: str = KEY, rid: str | None = None, **extra: Any
+) -> httpx.Response:
     payload = {"model": model, "prompt": "x", "max_tokens": 2, **extra}
+    headers = {**auth(key), **({"x-request-id": rid} if rid else {})}
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        return await client.post("/v1/completions", json=payload, headers=auth(key))
+        return await client.post("/v1/completions", json=payload, headers=headers)
+
+
+async def assert_records(fleet: Fleet | LocalFleet, prefix: str, admitted: set[str]) -> None:
+    """Exactly one usage record per admitted request, in this fleet's Redis; none for a
+    request that was refused."""
+    found: Counter[str] = Counter()
+
+    async def complete() -> bool:
+        found.clear()
+        async with redis_of(fleet) as client:
+            for _, fields in await client.xrange("usage"):
+                request = fields[b"request_id"].decode()
+                if request.startswith(prefix):
+                    found[request] += 1
+        return set(found) >= admitted
+
+    try:
+        await until(complete, "the usage records", SWEEP_S + SLACK_S)
+    finally:
+        assert found == Counter(admitted), (found, admitted)
 
 
 async def get(url: str) -> httpx.Response:
@@ -145,7 +183,7 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, limit_s: float)
 
 
 @asynccontextmanager
-async def redis_of(fleet: Fleet) -> AsyncIterator[aioredis.Redis]:
+async def redis_of(fleet: Fleet | LocalFleet) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(fleet.redis.url, socket_timeout=5)
     try:
         yield client
@@ -226,23 +264,27 @@ async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: F
     Redis restarts empty. Within a sweep everything is written back: new fail-fast
     requests are refused, the account limit holds, the waiters keep their order."""
     a, b = (r.url for r in fleet.replicas)
+    admitted = {rid("restart") for _ in range(10)}
+    ids = iter(sorted(admitted))
     async with AsyncExitStack() as streams:
         for i in range(7):
-            await streams.enter_async_context(held((a, b)[i % 2], "m"))
-        await streams.enter_async_context(held(b, "m", key=KEY_ONE))
-        first = asyncio.create_task(post(a, "m"))
+            await streams.enter_async_context(held((a, b)[i % 2], "m", rid=next(ids)))
+        await streams.enter_async_context(held(b, "m", key=KEY_ONE, rid=next(ids)))
+        first = asyncio.create_task(post(a, "m", rid=next(ids)))
         await until(lambda: _queued(fleet, "m", 1), "the first waiter", 5)
-        second = asyncio.create_task(post(b, "m"))
+        second = asyncio.create_task(post(b, "m", rid=next(ids)))
         await until(lambda: _queued(fleet, "m", 2), "the second waiter", 5)
         order = await queue_ids(fleet, "m")
 
         fleet.redis.restart_empty()
         took = await until(lambda: _rebuilt(fleet, order), "the rebuild", SWEEP_S + SLACK_S)
 
-        busy = await asyncio.gather(*(post((a, b)[i % 2], "m", fail_fast=True) for i in range(8)))
+        busy = await asyncio.gather(
+            *(post((a, b)[i % 2], "m", rid=rid("restart"), fail_fast=True) for i in range(8))
+        )
         assert [r.status_code for r in busy] == [429] * 8, [r.text for r in busy]
         assert {r.json()["error"]["code"] for r in busy} == {"model_busy"}
-        over = await post(a, "free", key=KEY_ONE)
+        over = await post(a, "free", key=KEY_ONE, rid=rid("restart"))
         assert over.status_code == 429 and over.json()["error"]["code"] == "concurrency_limit"
         assert not first.done() and not second.done()
         await streams.aclose()  # slots free: the waiters go, first come first served
@@ -250,6 +292,7 @@ async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: F
     assert [r.status_code for r in answers] == [200, 200]
     assert_never_overloaded(fleet)
     await assert_clean(fleet)
+    await assert_records(fleet, f"faults-{RUN}-restart-", admitted)
     print(f"rebuilt {took:.2f}s after the restart")
 
 
@@ -272,11 +315,14 @@ async def test_a_stalled_redis_is_an_outage_not_a_hang(fleet: Fleet) -> None:
     """Item 2: SIGSTOP. Requests are answered 503 within the command timeout plus a sweep,
     /readyz says so, admitted streams go on, and the gateway recovers by itself."""
     a, b = (r.url for r in fleet.replicas)
-    async with held(a, "m"):
+    stream = rid("stall")
+    async with held(a, "m", rid=stream):
         fleet.redis.pause()
         try:
             started = time.monotonic()
-            answers = await asyncio.gather(post(a, "m"), post(b, "m", fail_fast=True))
+            answers = await asyncio.gather(
+                post(a, "m", rid=rid("stall")), post(b, "m", rid=rid("stall"), fail_fast=True)
+            )
             waited = time.monotonic() - started
             assert [r.status_code for r in answers] == [503, 503]
             assert all("Redis" in r.json()["error"]["message"] for r in answers)
@@ -289,6 +335,7 @@ async def test_a_stalled_redis_is_an_outage_not_a_hang(fleet: Fleet) -> None:
         assert (await get(a + "/readyz")).status_code == 200
     assert_never_overloaded(fleet)
     await assert_clean(fleet)
+    await assert_records(fleet, f"faults-{RUN}-stall-", {stream})
     print(f"a request sent during the stall waited {waited:.2f}s")
 
 
@@ -336,9 +383,10 @@ async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None
     doomed = procs.gateway(fleet.tmp, fleet.config)
     try:
         async with held(a, "q"):
-            dead = [asyncio.create_task(post(doomed.url, "q")) for _ in range(3)]
+            dead = [asyncio.create_task(post(doomed.url, "q", rid=rid("dead"))) for _ in range(3)]
             await until(lambda: _queued(fleet, "q", 3), "the doomed replica's waiters", 5)
-            live = asyncio.create_task(post(b, "q"))
+            live_id = rid("dead")
+            live = asyncio.create_task(post(b, "q", rid=live_id))
             await until(lambda: _queued(fleet, "q", 4), "the live waiter", 5)
             doomed.stop(signal.SIGKILL)
             await asyncio.gather(*dead, return_exceptions=True)  # their connections died
@@ -353,6 +401,7 @@ async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None
     finally:
         doomed.stop(signal.SIGKILL)
     await assert_clean(fleet)
+    await assert_records(fleet, f"faults-{RUN}-dead-", {live_id})
 
 
 async def test_a_grant_to_a_dead_waiter_goes_back_after_the_claim_time(fleet: Fleet) -> None:
@@ -417,21 +466,27 @@ async def test_local_shares_add_up_to_the_capacity(local_fleet: LocalFleet) -> N
     a, b = (r.url for r in local_fleet.replicas)
     for url in (a, b):  # each replica's view of the fleet is one sweep old
         await until(lambda url=url: _sees(url, 2), "both replicas to see each other", 5)
+    first = rid("local")
+    admitted = {first}
     async with AsyncExitStack() as streams:
-        await streams.enter_async_context(held(a, "l"))
+        await streams.enter_async_context(held(a, "l", rid=first))
         local_fleet.redis.kill()
-        admitted = 1
         for i in range(6):
+            request = rid("local")
             try:
-                await streams.enter_async_context(held((a, b)[i % 2], "l", fail_fast=True))
-                admitted += 1
+                await streams.enter_async_context(
+                    held((a, b)[i % 2], "l", rid=request, fail_fast=True)
+                )
+                admitted.add(request)
             except Refused as refused:
                 assert refused.status == 429, refused  # this replica's share is full
         running = worker_load(local_fleet.worker)["vllm:num_requests_running"]
-        assert admitted == 3 and running == 3, (admitted, running)
+        assert len(admitted) == 3 and running == 3, (admitted, running)
         local_fleet.redis.start()
     load = worker_load(local_fleet.worker)
     assert load["sim:peak_requests_running"] <= 3 and load["sim:peak_requests_waiting"] == 0
+    # Records of the outage waited on disk and reached Redis once it was back.
+    await assert_records(local_fleet, f"faults-{RUN}-local-", admitted)
 
 
 async def _sees(url: str, replicas: int) -> bool:
