@@ -20,21 +20,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
 from routing.estimate import RetryAfter
+from routing.handback import Handback
 from routing.holdings import Holdings, Lease, Waiter
-from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call, store_sender
+from routing.ledger import UsageSpool, store_sender
 from routing.outage import LocalShares
 from routing.plan import Candidate
 from routing.registry import Model, Registry
-from routing.resp import NotSent
-from routing.scripts import Scripts, Store, first_error
+from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
 from routing.slots import (
     BUSY,
     FULL,
@@ -49,11 +47,8 @@ from routing.slots import (
     text,
 )
 from tiers.policy import Tier, TiersConfig
-from tiers.usage import encodable
 
 log = logging.getLogger("gateway.admission")
-
-STORE_ERRORS = (RedisError, OSError)
 
 __all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
 
@@ -111,11 +106,9 @@ class Admission:
         self.slots: dict[str, ModelSlots] = {}
         for model in registry:
             self._add(model, tiers)
-        # Calls on their way that close() waits for (releases, give-backs, late replies).
-        self._pending: set[asyncio.Future[Any]] = set()
-        # Releases not answered yet, with their usage records (spooled if never answered).
-        self._releasing: dict[asyncio.Future[None], Mapping[str, str] | None] = {}
-        self._release_failing = False
+        self.handback = Handback(
+            self.scripts, self.store, self.slots, self.holdings, spool, self.retry
+        )
 
     @property
     def held(self) -> dict[str, Lease]:
@@ -150,7 +143,7 @@ class Admission:
         finally:
             self.holdings.waiters.pop(lease_id, None)
             if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
-                self._give_back(lease_id, None, walk.akey)
+                self.handback.give_back(lease_id, None, walk.akey)
 
     async def _walk(
         self,
@@ -183,7 +176,7 @@ class Admission:
         model = cand.model.name
         calls = self._try_calls(walk, cand, tier)
         with_account = not walk.has_account
-        replies = await self._outliving(
+        replies = await self.handback.outliving(
             self.scripts.submit(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
@@ -191,12 +184,14 @@ class Admission:
             walk.has_account = True
             self.holdings.walking[walk.lease_id] = walk.akey
         if (error := first_error(replies)) is not None:
-            self._give_back(walk.lease_id, model, None)  # what the other call took goes back
+            self.handback.give_back(
+                walk.lease_id, model, None
+            )  # what the other call took goes back
             raise error
         result = attempt(replies[-1])
         if not walk.has_account:
             if result.status in (GRANTED, QUEUED):
-                self._give_back(walk.lease_id, model, None)
+                self.handback.give_back(walk.lease_id, model, None)
             raise RateLimited(
                 f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
                 code="concurrency_limit",
@@ -236,19 +231,19 @@ class Admission:
         try:
             await asyncio.wait({waiter.future}, timeout=timeout)
         except asyncio.CancelledError:
-            self._give_back(lease_id, model, None)  # out of the queue, or its grant back
+            self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant back
             raise
         finally:
             self.holdings.waiters.pop(lease_id, None)
         if waiter.future.done():
             endpoint = waiter.future.result()
-            self._claim(lease_id, model, endpoint)
+            self.handback.claim(lease_id, model, endpoint)
             return endpoint
         # Timed out; the slot may have been granted just now (its message still on the way).
         sent = self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)])
-        reply = (await self._outliving(sent, lease_id, model, None))[0]
+        reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
         if isinstance(reply, Exception):
-            self._give_back(lease_id, model, None)
+            self.handback.give_back(lease_id, model, None)
             raise reply
         if granted := text(reply):
             return granted
@@ -307,125 +302,12 @@ class Admission:
     # --- leases --------------------------------------------------------------------------
 
     def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
-        """Give the slot back, with the request's usage record in the same round trip. The
-        calls leave at once, whatever happens to the caller afterwards; awaiting the
-        result (never an error) is optional. A record Redis did not take is spooled; a
-        release Redis did not answer is retried by the sweeps."""
-        self.holdings.held.pop(lease.id, None)
-        self.retry.held(lease.model, time.monotonic() - lease.since)
-        if usage is not None:
-            # Unique per admission, unlike request ids; every value encodable whatever the
-            # caller sent, so the record can never stop the release.
-            usage = {**encodable(usage), "attempt": lease.id}
-        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if lease.local:
-            self._spool(usage)
-            released.set_result(None)
-            return released
-        calls = [self.slots[lease.model].release([lease.id]), ("ZREM", [lease.account], [lease.id])]
-        if usage is not None:
-            retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
-            calls.append(record_call(usage, retention))
-        sent = self.scripts.submit(self.store, calls)
-        self._releasing[released] = usage
-        released.add_done_callback(self._releasing.pop)
-        sent.add_done_callback(partial(self._released, lease, usage, released))
-        return released
-
-    def _released(
-        self,
-        lease: Lease,
-        usage: Mapping[str, str] | None,
-        released: asyncio.Future[None],
-        sent: asyncio.Future[list[Any]],
-    ) -> None:
-        replies = None if sent.cancelled() or sent.exception() else sent.result()
-        if replies is None or first_error(replies[:2]) is not None:
-            self.holdings.doubt(lease.id, lease.model, lease.account)
-            if not self._release_failing:
-                log.warning("a release got no answer from Redis; the sweeps will retry it")
-            self._release_failing = True
-        else:
-            self._release_failing = False
-        if usage is not None and (replies is None or isinstance(replies[-1], Exception)):
-            self._spool(usage)  # e.g. Redis at maxmemory refuses records: they wait on disk
-        if not released.done():
-            released.set_result(None)
-
-    def _spool(self, usage: Mapping[str, str] | None) -> None:
-        if usage is not None and self.spool is not None:
-            self.spool.add(usage)
+        """Give the slot back, with the request's usage record (routing/handback.py)."""
+        return self.handback.release(lease, usage)
 
     async def flush_spool(self) -> int:
         """Send spooled usage records now (the keeper's spool round also does)."""
         return await self.spool.flush(store_sender(self.scripts, self.store)) if self.spool else 0
-
-    def _claim(self, lease_id: str, model: str, endpoint: str) -> None:
-        """A woken waiter claims its grant for the full lease TTL (an unclaimed grant goes
-        back after the claim time)."""
-        sent = self.scripts.submit(self.store, [self.slots[model].claim([(lease_id, endpoint)])])
-        sent.add_done_callback(partial(self._claimed, model))
-        self._track(sent)
-
-    def _claimed(self, model: str, sent: asyncio.Future[list[Any]]) -> None:
-        if not sent.cancelled() and not sent.exception():
-            self.recheck(sent.result()[0], model)
-
-    def recheck(self, restored: Any, model: str | None, account: str | None = None) -> None:
-        """Ids Redis had lost and a call wrote back (in `model`'s leases or an `account`'s
-        count): any this replica no longer holds (released meanwhile) goes back again."""
-        if isinstance(restored, list):
-            for lease_id in map(text, restored):
-                if not self.holdings.is_live(lease_id):
-                    self._give_back(lease_id, model, account)
-
-    def _give_back(self, lease_id: str, model: str | None, account: str | None) -> None:
-        """Forget `lease_id` in Redis now: idempotent calls that leave at once. When they
-        fail, the sweeps forget it instead."""
-        calls: list[Any] = []
-        if model is not None:
-            calls.append(self.slots[model].release([lease_id]))
-        if account is not None:
-            calls.append(("ZREM", [account], [lease_id]))
-        if not calls:
-            return
-        sent = self.scripts.submit(self.store, calls)
-        sent.add_done_callback(partial(self._given_back, lease_id, model, account))
-        self._track(sent)
-
-    def _given_back(
-        self, lease_id: str, model: str | None, account: str | None, sent: asyncio.Future[Any]
-    ) -> None:
-        if sent.cancelled() or sent.exception() is not None or first_error(sent.result()):
-            self.holdings.doubt(lease_id, model, account)
-
-    async def _outliving(
-        self, work: asyncio.Future[list[Any]], lease_id: str, model: str, account: str | None
-    ) -> list[Any]:
-        """Await calls already on their way. If the caller is cancelled meanwhile, they still
-        finish and whatever they took is given back; a call that fails leaves its effect
-        in doubt, for the sweeps to forget."""
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            work.add_done_callback(partial(self._late, lease_id, model, account))
-            self._track(work)
-            raise
-        except STORE_ERRORS as exc:
-            if not isinstance(exc, NotSent):
-                self.holdings.doubt(lease_id, model, account)
-            raise
-
-    def _late(
-        self, lease_id: str, model: str, account: str | None, work: asyncio.Future[Any]
-    ) -> None:
-        if work.cancelled():
-            self.holdings.doubt(lease_id, model, account)
-        elif (exc := work.exception()) is not None:
-            if not isinstance(exc, NotSent):
-                self.holdings.doubt(lease_id, model, account)
-        else:
-            self._give_back(lease_id, model, account)
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica
@@ -475,26 +357,8 @@ class Admission:
 
     # --- shutdown ------------------------------------------------------------------------
 
-    def _track(self, future: asyncio.Future[Any]) -> None:
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Give back every slot this replica still holds (best effort) and finish what is
-        on its way; records of releases Redis never answered wait on disk."""
-        for lease in list(self.holdings.held.values()):
-            self.release(lease)
-        await self.drain(timeout_s)
-        for usage in list(self._releasing.values()):
-            self._spool(usage)
-        self._releasing.clear()
+        await self.handback.close(timeout_s)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait for calls already on their way (and those they start)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while pending := [*self._pending, *self._releasing]:
-            left = deadline - loop.time()
-            if left <= 0:
-                return
-            await asyncio.wait(pending, timeout=left)
+        await self.handback.drain(timeout_s)

@@ -23,10 +23,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.admission import STORE_ERRORS, Admission
+from routing.admission import Admission
 from routing.background import BackgroundErrors, every
 from routing.ledger import store_sender
-from routing.scripts import Call, first_error
+from routing.scripts import STORE_ERRORS, Call, first_error
 from routing.slots import ModelState, sweep_result, text
 
 log = logging.getLogger("gateway.admission")
@@ -125,7 +125,7 @@ class Keeper:
             found = sweep_result(reply)
             self.states[model] = found.state
             adm.retry.freed(model, now, found.state.freed)
-            adm.recheck(found.restored, model)
+            adm.handback.recheck(found.restored, model)
             for waiter_id, endpoint in zip(work.waiters.get(model, []), found.granted, strict=True):
                 if endpoint:
                     self.wake(waiter_id, endpoint)
@@ -133,7 +133,7 @@ class Keeper:
         if not isinstance(replies[at], Exception):
             adm.local.saw([text(r) for r in replies[at]])
         for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
-            adm.recheck(reply, None, key)
+            adm.handback.recheck(reply, None, key)
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
         if first_error(tail) is None:
             adm.holdings.forgotten(work.orphans)

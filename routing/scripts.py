@@ -21,7 +21,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import DataError, NoScriptError
+from redis.exceptions import DataError, NoScriptError, RedisError
 
 from routing.resp import RespClient
 
@@ -31,6 +31,9 @@ Call = tuple[str, Sequence[str], Sequence[Any]]
 
 # Where the scripts run: the lean pipelining client, or redis-py (memory://, rediss://).
 Store = RespClient | aioredis.Redis
+
+# What a failed call raises: Redis did not do it, or may not have (the outage answers).
+STORE_ERRORS = (RedisError, OSError)
 
 _PRELUDED = ("acquire", "release", "cancel", "claim", "sweep", "move")
 _PLAIN = ("account", "account_keep", "heartbeat", "usage")

@@ -17,15 +17,7 @@ def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
 
         client: Any = fakeredis.FakeAsyncRedis()
         return client  # type: ignore[no-any-return]
-    return aioredis.Redis.from_url(
-        url,
-        socket_connect_timeout=2.0,
-        socket_timeout=command_timeout_s,
-        socket_keepalive=True,
-        socket_keepalive_options=keepalive_options(),
-        health_check_interval=15,
-        max_connections=512,
-    )
+    return _redis_py(url, socket_timeout=command_timeout_s, max_connections=512)
 
 
 def script_store(
@@ -44,11 +36,16 @@ def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
     the in-process server of `client`."""
     if url.startswith("memory://"):
         return client
+    return _redis_py(url, socket_timeout=None)
+
+
+def _redis_py(url: str, *, socket_timeout: float | None, **options: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         url,
         socket_connect_timeout=2.0,
-        socket_timeout=None,
+        socket_timeout=socket_timeout,
         socket_keepalive=True,
         socket_keepalive_options=keepalive_options(),
         health_check_interval=15,
+        **options,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _SERVER.stop()
     if _SERVER_DIR is not None:
         shutil.rmtree(_SERVER_DIR, ignore_errors=True)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test alone, to stall, kill or restart at will."""
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.stop()  # resumes it first if paused
 
 
 @pytest.fixture

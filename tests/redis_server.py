@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 STARTUP_DEADLINE_S = 10.0
@@ -33,6 +34,25 @@ def redis_server_binary() -> str:
             "they start their own on a free port"
         )
     return found
+
+
+def wait_started(
+    popen: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    what: str,
+    log_tail: Callable[[], str],
+    deadline_s: float = STARTUP_DEADLINE_S,
+) -> None:
+    """Until another process answers `ready`; there is no event to wait on across
+    processes, so this polls, bounded in time, and fails at once if the process exits."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log_tail()}")
+        if ready():
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"{what} did not start in {deadline_s}s")
 
 
 class RedisServer:
@@ -75,16 +95,8 @@ class RedisServer:
         return self
 
     def _wait_ready(self) -> None:
-        # Another process's readiness has no event to wait on: poll, bounded in time.
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while time.monotonic() < deadline:
-            assert self.popen is not None
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"redis-server exited: {self.log_tail()}")
-            if self.ping():
-                return
-            time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start in {STARTUP_DEADLINE_S}s")
+        assert self.popen is not None
+        wait_started(self.popen, self.ping, "redis-server", self.log_tail)
 
     def ping(self, timeout_s: float = 0.5) -> bool:
         try:

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from gateway.app import build_app
 from gateway.settings import parse_config
@@ -25,15 +22,6 @@ models:
       - {{url: "http://127.0.0.1:10", max_concurrency: 2}}
       - {{url: "http://127.0.0.1:11", max_concurrency: 2}}
 """
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
-    try:
-        yield server
-    finally:
-        server.stop()  # resumes it first if paused
 
 
 async def test_readyz_is_503_while_redis_is_stalled(private_redis: RedisServer) -> None:

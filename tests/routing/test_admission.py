@@ -110,6 +110,7 @@ class Fleet:
         on_outage: str = "reject",
         redis: aioredis.Redis | None = None,
         url: str | None = None,
+        spool: UsageSpool | None = None,
     ) -> Admission:
         """A replica on the run's Redis, on a dead one (`redis` given), or on `url`."""
         if url is not None:
@@ -124,6 +125,7 @@ class Fleet:
             lease_ttl_s=30,
             on_outage=on_outage,
             store=RespClient(url, connect_timeout_s=0.5) if self.store == "resp" else None,
+            spool=spool,
         )
         await bounded(adm.start())
         self._admissions.append(adm)
@@ -864,8 +866,8 @@ async def test_reroute_keeps_the_slot_away_from_the_queue(fleet: Fleet) -> None:
 async def test_releases_unanswered_at_shutdown_spool_their_records(
     fleet: Fleet, tmp_path: Path
 ) -> None:
-    adm = await fleet.admission()
-    adm.spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
+    spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
+    adm = await fleet.admission(spool=spool)
     lease = (await admit(adm, fleet.plan("two"))).lease
     never = asyncio.Event()
 
@@ -877,7 +879,7 @@ async def test_releases_unanswered_at_shutdown_spool_their_records(
     intercept(adm, around)
     adm.release(lease, usage_record(request_id="t-shutdown").to_fields())
     await bounded(adm.close(timeout_s=0.2))
-    assert adm.spool.size_bytes() > 0
+    assert spool.size_bytes() > 0
     never.set()
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -128,16 +127,6 @@ async def fake() -> AsyncIterator[FakeRedis]:
         yield server
     finally:
         await server.close()
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server of this test alone, to stall at will; stop() resumes it first."""
-    server = RedisServer(tmp_path).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Settling(RespClient):
