@@ -46,26 +46,9 @@ class GatewayState:
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
         self.keys = KeyStore(config.keys, self.redis)
-        interval = min(sweep_interval_s, config.redis.lease_ttl_s / 4)
-        timeout = config.redis.command_timeout_s
-        self.admission = Admission(
-            self.redis,
-            self.registry,
-            config.tiers,
-            lease_ttl_s=config.redis.lease_ttl_s,
-            on_outage=config.redis.on_outage,
-            store=script_store(config.redis.url, self.redis, timeout_s),
-            spool=UsageSpool(config.usage, config.redis.url),
-            sweep_interval_s=interval,
-            command_timeout_s=timeout,
-        )
         self.background_errors = BackgroundErrors()
-        self.keeper = Keeper(
-            self.admission,
-            subscriber(config.redis.url, self.redis),
-            interval,
-            self.background_errors,
-            round_timeout_s=2 * timeout + 1,
+        self.admission, self.keeper = self._admission(
+            min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         )
         self.health = self._new_health()
         self.metrics = Metrics(self.background_errors.counts)
@@ -74,6 +57,29 @@ class GatewayState:
         # flight finish.
         self.draining = False
         self._watcher: ConfigWatcher | None = None
+
+    def _admission(self, sweep_interval_s: float) -> tuple[Admission, Keeper]:
+        redis = self.config.redis
+        admission = Admission(
+            self.redis,
+            self.registry,
+            self.config.tiers,
+            lease_ttl_s=redis.lease_ttl_s,
+            on_outage=redis.on_outage,
+            store=script_store(redis.url, self.redis, redis.command_timeout_s),
+            spool=UsageSpool(self.config.usage, redis.url),
+            sweep_interval_s=sweep_interval_s,
+            command_timeout_s=redis.command_timeout_s,
+        )
+        keeper = Keeper(
+            admission,
+            subscriber(redis.url, self.redis),
+            sweep_interval_s,
+            self.background_errors,
+            # A round never waits on a stall: its calls fail at the command timeout.
+            round_timeout_s=2 * redis.command_timeout_s + 1,
+        )
+        return admission, keeper
 
     def _new_health(self) -> Health:
         return Health(
