@@ -137,13 +137,14 @@ class Proxy:
             exchange.finished = True
             await _crashed(exc, parsed.rid, reply, exchange.stream)
         finally:
+            admission = self._state.admission
             record: dict[str, str] | None = None
             try:
                 record = self._record(parsed, admitted, exchange).to_fields()
-            finally:
-                # The slot goes back even if the record could not be built (that error
-                # propagates and is logged); with the record, in one round trip.
-                self._state.admission.release(admitted.lease, record)
+            except Exception as exc:  # the slot must go back whatever the record holds
+                admission.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
+            # With the record, in one round trip.
+            admission.release(admitted.lease, record)
             self._observe(admitted, exchange)
 
     async def _admit(self, parsed: Parsed) -> Admitted:

@@ -305,6 +305,11 @@ class Admission:
         """Give the slot back, with the request's usage record (routing/handback.py)."""
         return self.handback.release(lease, usage)
 
+    def record_lost(self, rid: str, why: str) -> None:
+        """A request's usage record could not even be built: counted with the lost ones."""
+        if self.spool is not None:
+            self.spool.lose(rid[:128], why)
+
     async def flush_spool(self) -> int:
         """Send spooled usage records now (the keeper's spool round also does)."""
         return await self.spool.flush(store_sender(self.scripts, self.store)) if self.spool else 0

@@ -169,17 +169,18 @@ class UsageSpool:
         try:
             line = orjson.dumps(dict(fields)) + b"\n"
         except orjson.JSONEncodeError:
-            return self._lose(rid, "unencodable")
+            return self.lose(rid, "unencodable")
         try:
             if self._lock_fd is None:
                 self._lock_fd = spoolfile.claim(self.paths)
             if spoolfile.append(self.paths.data, line, self.max_bytes - self._others_bytes):
                 return True
         except OSError as exc:
-            return self._lose(rid, f"unwritable ({exc})")
-        return self._lose(rid, f"full ({self.max_bytes} bytes with those of gone processes)")
+            return self.lose(rid, f"unwritable ({exc})")
+        return self.lose(rid, f"full ({self.max_bytes} bytes with those of gone processes)")
 
-    def _lose(self, rid: str, why: str) -> bool:
+    def lose(self, rid: str, why: str) -> bool:
+        """A record that could not be kept: counted (gateway_usage_records_lost) and logged."""
         self.lost += 1
         log.error("usage spool %s: record %s lost", why, rid)
         return False

@@ -138,6 +138,20 @@ async def test_failure_before_the_answer_is_a_500_envelope(
     assert "secret" not in logged
 
 
+async def test_a_record_that_cannot_be_built_still_releases_the_slot_and_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app, _ = make_app()
+    monkeypatch.setattr(proxy, "usage_record", explode)
+    rid = uuid.uuid4().hex
+    resp = await send(app, BASE + b"}", rid)
+    assert resp.status_code == 200  # the caller got its answer
+    assert await records(app, rid) == []
+    assert await leases_left(app) == 0
+    spool = app.state.admission.spool
+    assert spool is not None and spool.lost == 1
+
+
 class BreakingStream(ScriptedResponse):
     """A worker stream whose reading fails in a way nobody foresaw, after a first event."""
 
