@@ -281,7 +281,7 @@ class Admission:
         last: GatewayError | None = None
         for cand in candidates:
             tier, model = tier_of(cand.model), cand.model.name
-            if self.local.share(model) == 0:
+            if self.local.limit(model) == 0:
                 last = ServiceUnavailable(
                     f"Redis is unreachable and this replica's share of {model!r} is 0 "
                     f"({self.local.replicas or 'unknown'} replicas)."

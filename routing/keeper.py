@@ -46,6 +46,8 @@ class _Round:
     accounts: list[str]
     orphans: list[str]
     orphan_calls: int
+    # This replica's slots per model when the round was built (for the local shares).
+    mine: dict[str, int]
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Keeper:
             list(entries),
             list(holdings.orphans),
             len(orphan_calls),
+            {m: len(ls) for m, ls in leases.items()},
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
@@ -123,6 +126,8 @@ class Keeper:
             if isinstance(reply, Exception):
                 continue
             found = sweep_result(reply)
+            adm.slots[model].known = True
+            adm.local.observe(model, found.state.inflight, work.mine.get(model, 0))
             self.states[model] = found.state
             adm.retry.freed(model, now, found.state.freed)
             adm.handback.recheck(found.restored, model)

@@ -1,11 +1,13 @@
 """Admission while Redis is unreachable, under `on_outage: local` (SPEC 4).
 
-Each replica admits against its own share of a model's capacity. The shares are cut from
-the list of live replicas as last read from Redis (the sweep's heartbeat), so that across
-the fleet they add up to at most the capacity: `capacity // n` each, and the remainder to
-the first replicas of the sorted list. A replica's share counts every slot it still holds
-of that model, including those Redis admitted before the outage. A replica that never saw
-the fleet, or whose share is 0, admits nothing (503 with the reason).
+Each replica admits against its own limit, so that across the fleet the limits add up to at
+most the capacity. From its last sweep before the outage a replica knows how many slots of
+a model the fleet held (F), how many of them were its own (h), and the live replicas. Its
+limit is h plus its cut of the capacity that was free (C - F): `free // n` each, the
+remainder to the first replicas of the sorted list. Summed over the fleet: F + (C - F) = C.
+Requests that were running when Redis went away thus count against the limit of the
+replica that holds them, and the free capacity is shared. A replica that never saw the
+fleet, or whose limit is 0, admits nothing (503 with the reason).
 """
 
 from __future__ import annotations
@@ -23,25 +25,31 @@ class LocalShares:
         self.capacity: dict[str, int] = {}
         # The live replicas' ids as the last heartbeat saw them (None: never seen).
         self._fleet: list[str] | None = None
+        # Per model, at the last sweep: (slots held fleet-wide, slots held by this replica).
+        self._seen: dict[str, tuple[int, int]] = {}
 
     def saw(self, replicas: Sequence[str]) -> None:
-        fleet = sorted(set(replicas) | {self.replica_id})
-        self._fleet = fleet
+        self._fleet = sorted(set(replicas) | {self.replica_id})
+
+    def observe(self, model: str, fleet_inflight: int, mine: int) -> None:
+        """A sweep read the model's in-flight count while this replica held `mine` slots."""
+        self._seen[model] = (fleet_inflight, mine)
 
     @property
     def replicas(self) -> int:
         return len(self._fleet) if self._fleet is not None else 0
 
-    def share(self, model: str) -> int:
-        """This replica's slots of `model` while Redis is away."""
+    def limit(self, model: str) -> int:
+        """The slots of `model` this replica may hold while Redis is away."""
         if self._fleet is None:
             return 0
-        capacity, n = self.capacity.get(model, 0), len(self._fleet)
-        index = self._fleet.index(self.replica_id)
-        return capacity // n + (1 if index < capacity % n else 0)
+        fleet_inflight, mine = self._seen.get(model, (0, 0))
+        free = max(0, self.capacity.get(model, 0) - fleet_inflight)
+        n, index = len(self._fleet), self._fleet.index(self.replica_id)
+        return mine + free // n + (1 if index < free % n else 0)
 
     def room(self, model: str, tier: Tier, holding: int) -> bool:
-        """Whether one more request of `tier` fits this replica's share, given the slots
-        of the model it holds now."""
-        ceiling = math.floor(self.share(model) * self.tiers.policy(tier).max_utilization + 1e-9)
+        """Whether one more request of `tier` fits this replica's limit, given the slots of
+        the model it holds now."""
+        ceiling = math.floor(self.limit(model) * self.tiers.policy(tier).max_utilization + 1e-9)
         return holding < ceiling

@@ -89,10 +89,23 @@ class ModelSlots:
         self.model = model
         self.keys = [
             tag + k
-            for k in ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild")
+            for k in (
+                "leases",
+                "queue",
+                "ep_of",
+                "ep_load",
+                "seq",
+                "freed",
+                "qexp",
+                "rebuild",
+                "state",
+            )
         ]
         self.channel = tag + "wake"
         self._timing = timing
+        # Whether this replica has seen the model's state in Redis (a sweep answered): if it
+        # is gone later, Redis lost it (routing/lua/prelude.lua, `lost`).
+        self.known = False
         self._spec: dict[str, tuple[int, float]] = {}
         self.urls: list[str] = []
         self.configure(utilization, max_queue)
@@ -142,7 +155,7 @@ class ModelSlots:
         t = self._timing
         args = [lease_id, t.lease_ttl_ms, tier.rank, int(may_wait), self.max_queue,
                 t.waiter_ttl_ms, self.channel, mode, t.claim_ms,
-                *self._ceilings, *endpoints]  # fmt: skip
+                *self._ceilings, *endpoints, int(self.known), t.rebuild_ms]  # fmt: skip
         return ("acquire", self.keys, args)
 
     def release(self, ids: Sequence[str]) -> Call:
@@ -169,7 +182,7 @@ class ModelSlots:
         args.append(len(waiters))
         for waiter_id, place in waiters:
             args += (waiter_id, place)
-        args.append(t.rebuild_ms)
+        args += (t.rebuild_ms, int(self.known))
         return ("sweep", self.keys, args)
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:

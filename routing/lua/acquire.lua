@@ -1,14 +1,16 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 waiter_ttl_ms,
 --       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10..12 ceilings (priority, default,
---       flex), 13.. endpoints (n, then url, max, penalty triples)
+--       flex), 13.. endpoints (n, then url, max, penalty triples), then known (0|1: this
+--       replica has seen the model's state before) and rebuild_ms (see `lost`)
 -- Returns {status, endpoint, inflight, ahead, seq}: status 1 granted, 2 queued (seq = its
 -- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier).
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local ceilings = ceilings_at(10)
-local eps = endpoints(13)
+local eps, at = endpoints(13)
 local now = now_ms()
 expire(now)
+lost(now, ARGV[at], ARGV[at + 1])
 pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first.

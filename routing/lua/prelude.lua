@@ -8,8 +8,10 @@
 -- KEYS[6] freed    STRING slots freed so far (releases and expiries), for Retry-After
 -- KEYS[7] qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so
 --                  the waiters of a dead replica leave the queue within the waiter TTL
--- KEYS[8] rebuild  STRING, present for a short while after a sweep had to write back what
---                  Redis lost: no slot is granted until every replica has written back its own
+-- KEYS[8] rebuild  STRING, present for a short while after Redis lost this model's state:
+--                  no slot is granted until every replica has written back its own
+-- KEYS[9] state    STRING, present while Redis holds this model's state: a replica that has
+--                  seen it before and finds it gone knows Redis restarted empty or failed over
 local RANK = 1e15
 
 local function now_ms()
@@ -96,6 +98,20 @@ end
 -- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
 local function rebuilding()
   return redis.call('EXISTS', KEYS[8]) == 1
+end
+
+-- Whether Redis lost this model's state: the marker is gone. A replica that has seen it
+-- before (`known`) then pauses grants for `rebuild_ms` (every replica's next sweep writes
+-- back what it holds within it); one that never saw it (a first start) just sets it. The
+-- queue's sequence restarts from Redis TIME, after any place a waiter held before.
+local function lost(now, known, rebuild_ms)
+  if redis.call('EXISTS', KEYS[9]) == 1 then return false end
+  redis.call('SET', KEYS[9], '1')
+  if tonumber(redis.call('GET', KEYS[5]) or '0') < now then redis.call('SET', KEYS[5], score(now)) end
+  if known == '1' and tonumber(rebuild_ms) > 0 then
+    redis.call('SET', KEYS[8], '1', 'PX', rebuild_ms)
+  end
+  return true
 end
 
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.

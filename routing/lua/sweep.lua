@@ -6,13 +6,17 @@
 --  4. hand free slots on; 5. report the model's state.
 -- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5..7 ceilings, 8.. endpoints,
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
---       rebuild_ms: how long grants pause once this sweep had to write anything back.
+--       rebuild_ms: how long grants pause once this sweep had to write anything back, and
+--       known (0|1: this replica has seen the model's state before).
 -- Returns {{inflight, queued priority, default, flex, freed so far}, written-back lease ids,
 --          one entry per waiter: its granted endpoint or ''}.
 local now = now_ms()
 expire(now)
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[3])
 local eps, at = endpoints(8)
+local tail = at + 2 * tonumber(ARGV[at]) + 1
+tail = tail + 2 * tonumber(ARGV[tail]) + 1
+lost(now, ARGV[tail + 1], ARGV[tail])
 local restored = {}
 local n = tonumber(ARGV[at])
 for i = at + 1, at + 2 * n, 2 do
@@ -41,7 +45,7 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
   end
 end
 if #restored + requeued > 0 and not rebuilding() then
-  redis.call('SET', KEYS[8], '1', 'PX', ARGV[at + 2 * tonumber(ARGV[at]) + 1])
+  redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
 pump(now, tonumber(ARGV[2]), ceilings_at(5), eps, ARGV[4])
 local function queued(rank)

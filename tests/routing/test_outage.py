@@ -14,7 +14,7 @@ def shares(capacity: int, fleet: list[str]) -> list[int]:
         local = LocalShares(me, TiersConfig())
         local.capacity["m"] = capacity
         local.saw(fleet)
-        out.append(local.share("m"))
+        out.append(local.limit("m"))
     return out
 
 
@@ -35,18 +35,18 @@ def test_every_replica_cuts_the_same_way_whatever_order_it_saw() -> None:
         local = LocalShares(me, TiersConfig())
         local.capacity["m"] = 4
         local.saw(list(reversed(fleet)) if me == "b" else fleet)
-        views.append(local.share("m"))
+        views.append(local.limit("m"))
     assert sum(views) == 4
 
 
 def test_a_replica_that_never_saw_the_fleet_has_no_share() -> None:
     local = LocalShares("me", TiersConfig())
     local.capacity["m"] = 8
-    assert local.share("m") == 0
+    assert local.limit("m") == 0
     assert local.replicas == 0
     assert not local.room("m", Tier.PRIORITY, 0)
     local.saw([])  # its own heartbeat at least
-    assert local.share("m") == 8
+    assert local.limit("m") == 8
 
 
 def test_room_counts_what_the_replica_holds_and_the_tier_ceiling() -> None:
@@ -66,3 +66,22 @@ def test_the_tiers_follow_a_reload() -> None:
     assert local.room("m", Tier.FLEX, 7)
     local.tiers = TiersConfig.model_validate({"flex": {"max_utilization": 0.5}})
     assert not local.room("m", Tier.FLEX, 5)
+
+
+@pytest.mark.parametrize("held", [(0, 0), (2, 0), (0, 3), (1, 1), (3, 2), (4, 4)])
+def test_slots_held_before_the_outage_count_and_the_free_ones_are_shared(
+    held: tuple[int, int],
+) -> None:
+    """Item 12: replicas a and b held some of capacity 5 when Redis went away. Each may hold
+    what it held plus its cut of what was free; together never more than the capacity
+    (unless they already held more, in which case nobody admits more)."""
+    fleet_inflight = sum(held)
+    limits = []
+    for me, mine in zip(("a", "b"), held, strict=True):
+        local = LocalShares(me, TiersConfig())
+        local.capacity["m"] = 5
+        local.saw(["a", "b"])
+        local.observe("m", fleet_inflight, mine)
+        limits.append(local.limit("m"))
+        assert local.limit("m") >= mine
+    assert sum(limits) == max(5, fleet_inflight)

@@ -461,6 +461,25 @@ async def test_sweep_requeues_lost_waiters_at_their_place(real_redis: aioredis.R
     assert "p1" in await m.leases()
 
 
+async def test_a_replica_that_finds_the_state_gone_pauses_grants(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Redis restarted empty and no sweep has run yet: a request to a replica that has
+    seen the model's state before is not granted a slot that may be held (the holders
+    write theirs back within the window); a first start grants at once."""
+    m = Model(real_redis, slots())
+    assert (await m.acquire("first")).status == GRANTED  # a first start: nothing to wait for
+    m.slots.known = True  # this replica's sweeps have seen the model's state
+    await real_redis.flushdb()
+    assert (await m.acquire("n1")).status == BUSY  # room, but the state was lost
+    assert (await real_redis.pttl(m.slots.keys[7])) > 0
+    later = await m.acquire("n2", may_wait=True)
+    assert later.status == QUEUED
+    assert later.place > 10**12  # the sequence restarts from Redis TIME, after old places
+    await real_redis.delete(m.slots.keys[7])  # the window ends
+    assert (await m.acquire("n3")).status == GRANTED
+
+
 async def test_a_sweep_that_wrote_back_pauses_grants_for_the_other_replicas(
     real_redis: aioredis.Redis,
 ) -> None:
