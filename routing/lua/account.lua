@@ -6,4 +6,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+-- The key lives as long as its newest entry (every entry gets the same TTL): entries left
+-- by a replica that died leave with it even if the account never sends again.
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1

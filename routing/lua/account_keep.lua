@@ -10,4 +10,5 @@ for i = 2, #ARGV do
     restored[#restored + 1] = ARGV[i]
   end
 end
+if #ARGV > 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end  -- as long as its newest entry
 return restored

@@ -351,6 +351,8 @@ async def test_account_limit(real_redis: aioredis.Redis) -> None:
 
     assert [await take("a1"), await take("a2"), await take("a3")] == [1, 1, 0]
     assert await real_redis.zcard(key) == 2
+    # The key expires with its newest entry: what a dead replica left does not stay forever.
+    assert 0 < await real_redis.pttl(key) <= TTL_MS
     await real_redis.zadd(key, {"a1": 1}, xx=True)  # expired: no longer counts
     assert await take("a4") == 1
     assert {text(m) for m in await real_redis.zrange(key, 0, -1)} == {"a2", "a4"}
@@ -540,6 +542,7 @@ async def test_account_keep_writes_back_lost_entries(real_redis: aioredis.Redis)
         text(r) for r in await scripts.run(real_redis, ("account_keep", [key], [TTL_MS, "a1"]))
     ] == []
     assert await real_redis.zcard(key) == 2
+    assert 0 < await real_redis.pttl(key) <= TTL_MS
     await real_redis.delete(key)
 
 
