@@ -284,21 +284,25 @@ class Records:
     # One record (one attempt) in two Redis epochs: Redis ran a release whose reply never
     # came (killed or stalled), so the gateway spooled the record and sent it again, to the
     # Redis that replaced the one that had it. Production, which lost that Redis, sees it
-    # once; only this test reads the lost one.
+    # once; only this test reads the lost one. Allowed only if the lost copy was written
+    # shortly before its Redis was lost (else the record was simply sent twice).
     resurrected: list[str] = field(default_factory=list)
 
 
 def records(
     outcomes: Sequence[Outcome],
     epochs: Sequence[Sequence[dict[str, str]]],
+    lost_at: Sequence[float],
     reached: set[str],
     margin_s: float,
 ) -> Records:
-    """Usage records against what the clients and workers saw, over every Redis of the run
-    (the epochs that restarts emptied included):
+    """Usage records against what the clients and workers saw, over every Redis of the run:
+    `epochs[0]` the last, `epochs[n]` the one an empty restart emptied at `lost_at[n]`
+    (the wall clock):
     - a request that reached a worker or got a 2xx, from a replica that lived `margin_s`
       past the request's end (its release had time to be sent or spooled), has a record;
-    - none has two: not two in one Redis, nor two admissions (`attempt`) anywhere;
+    - none has two: not two in one Redis, nor two admissions (`attempt`) anywhere, nor one
+      in two Redis unless the first was written within `margin_s` before it was lost;
     - none for a request refused before admission (429, 503): it never reached a worker;
     - a record names one of this run's requests, and a complete 2xx says status 200."""
     found = Records()
@@ -310,14 +314,8 @@ def records(
     for rid, recs in per_rid.items():
         if rid not in by_rid:
             found.unexpected.append(f"{rid}: a record for no request of this run")
-        where = Counter(n for n, _ in recs)
-        attempts = Counter(r.get("attempt", "") for _, r in recs)
-        if max(where.values()) > 1 or len(attempts) > 1:
-            found.duplicated.append(
-                f"{rid}: {len(recs)} records (per epoch {dict(where)}, attempts {dict(attempts)})"
-            )
-        elif len(recs) > 1:
-            found.resurrected.append(f"{rid} in epochs {sorted(where)}")
+        if len(recs) > 1:
+            _twice(found, rid, recs, lost_at, margin_s)
     for out in outcomes:
         rid, recs = out.spec.rid, [r for _, r in per_rid.get(out.spec.rid, [])]
         admitted = rid in reached or (out.status is not None and out.status < 300)
@@ -331,3 +329,24 @@ def records(
         if out.completed and recs and recs[0].get("status") != "200":
             found.unexpected.append(f"{rid}: completed 2xx, record says {recs[0].get('status')}")
     return found
+
+
+def _twice(
+    found: Records,
+    rid: str,
+    recs: list[tuple[int, dict[str, str]]],
+    lost_at: Sequence[float],
+    margin_s: float,
+) -> None:
+    where = Counter(n for n, _ in recs)
+    attempts = {r.get("attempt", "") for _, r in recs}
+    # Every copy but the newest (epoch 0 is the last Redis) was written just before its
+    # Redis was lost.
+    older = sorted(recs, key=lambda nr: nr[0] or len(lost_at))[:-1]
+    late = all(0 <= lost_at[n] - float(r["_at"]) <= margin_s for n, r in older if n)
+    described = f"{rid}: {len(recs)} records (per epoch {dict(where)}, attempts {attempts}"
+    if max(where.values()) == 1 and len(attempts) == 1 and late and 0 not in dict(older):
+        found.resurrected.append(f"{described})")
+    else:
+        ages = [round(lost_at[n] - float(r["_at"]), 3) for n, r in older if n]
+        found.duplicated.append(f"{described}, written {ages}s before their Redis was lost)")

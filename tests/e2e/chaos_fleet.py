@@ -38,6 +38,7 @@ class Fault:
     kind: str
     start: float
     end: float  # Redis answering again, resumed, or the new replica ready
+    wall: float  # `start` on the wall clock (time.time()), which Redis's stream ids use
     detail: str = ""
 
 
@@ -84,9 +85,9 @@ class ChaosFleet:
     # --- faults (blocking: the test runs them in a thread) ---------------------------------
 
     def inject(self, kind: str, rng: random.Random) -> Fault:
-        start = time.monotonic()
+        start, wall = time.monotonic(), time.time()
         detail = getattr(self, "_" + kind)(rng)
-        fault = Fault(kind, start, time.monotonic(), detail)
+        fault = Fault(kind, start, time.monotonic(), wall, detail)
         self.faults.append(fault)
         return fault
 
@@ -131,10 +132,14 @@ class ChaosFleet:
 
 
 def read_usage(url: str) -> list[dict[str, str]]:
-    """Every record in the stream `usage` of the Redis at `url`."""
+    """Every record in the stream `usage` of the Redis at `url`, with "_at": when Redis
+    appended it (its stream id, seconds on the wall clock)."""
     client = redis.Redis.from_url(url, decode_responses=True)
     try:
-        return [fields for _, fields in client.xrange("usage")]
+        return [
+            {**fields, "_at": str(int(entry.split("-")[0]) / 1000)}
+            for entry, fields in client.xrange("usage")
+        ]
     finally:
         client.close()
 

@@ -23,6 +23,9 @@ import openai
 from tests.e2e.chaos_fleet import ChaosFleet, Replica
 
 TIERS = ("priority", "default", "default", "default", "flex")
+# Idle connections are dropped well before the server's keep-alive timeout (uvicorn: 5 s),
+# or a request sent as the server closes one fails (a race of HTTP keep-alive, not a fault).
+KEEPALIVE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,11 @@ class Driver:
     async def run(self, budget: int, duration_s: float, in_flight: int) -> None:
         """Send up to `budget` requests over `duration_s`, `in_flight` at most: two lanes of
         long streams (`hold_spec`), the others paced evenly."""
-        limits = httpx.Limits(max_connections=in_flight + 8, max_keepalive_connections=in_flight)
+        limits = httpx.Limits(
+            max_connections=in_flight + 8,
+            max_keepalive_connections=in_flight,
+            keepalive_expiry=KEEPALIVE_S,
+        )
         start = time.monotonic()
         end = start + duration_s
         holders = 2
@@ -205,11 +212,13 @@ class Driver:
     def _sdk_client(self, url: str, account: str) -> openai.AsyncOpenAI:
         client = self._sdks.get((url, account))
         if client is None:
+            limits = httpx.Limits(max_connections=8, keepalive_expiry=KEEPALIVE_S)
             client = openai.AsyncOpenAI(
                 base_url=url + "/v1",
                 api_key=self.keys[account],
                 max_retries=0,
                 timeout=self.timeout_s,
+                http_client=openai.DefaultAsyncHttpxClient(limits=limits),
             )
             self._sdks[(url, account)] = client
         return client

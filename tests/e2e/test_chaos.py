@@ -65,6 +65,7 @@ from tests.e2e.chaos_checks import (
 from tests.e2e.chaos_fleet import (
     REAL_FAULTS,
     ChaosFleet,
+    Fault,
     read_epoch,
     read_usage,
 )
@@ -260,7 +261,7 @@ def verdict(
     for figures, found in (
         judge_load(t0, fleet, outcomes, seen, spans, due),
         judge_answers(t0, fleet, outcomes),
-        judge_records(outcomes, epochs, spans, seen.dropped),
+        judge_records(fleet.faults, outcomes, epochs, spans, seen.dropped),
         judge_cleanup(*cleaned),
     ):
         report += figures
@@ -317,13 +318,15 @@ def judge_answers(t0: float, fleet: ChaosFleet, outcomes: list[Outcome]) -> Repo
 
 
 def judge_records(
+    faults: list[Fault],
     outcomes: list[Outcome],
     epochs: list[list[dict[str, str]]],
     spans: dict[str, list[SpanRow]],
     dropped: int,
 ) -> Report:
     reached = {row[0] for rows in spans.values() for row in rows}
-    billed = records(outcomes, epochs, reached, RECORD_MARGIN_S)
+    lost_at = [0.0] + [f.wall for f in faults if f.kind == "restart_empty"]
+    billed = records(outcomes, epochs, lost_at, reached, RECORD_MARGIN_S)
     figures = [
         f"records: {billed.checked} required, {len(billed.missing)} missing, "
         f"{len(billed.duplicated)} duplicated, {len(billed.unexpected)} unexpected, "
