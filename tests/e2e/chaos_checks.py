@@ -104,28 +104,39 @@ def hung_up(spans: Iterable[SpanRow], due: dict[str, float]) -> list[SpanRow]:
     return settled
 
 
-def crowding(spans: Iterable[SpanRow], limit: int) -> list[tuple[float, float, int]]:
-    """The stretches of time in which more than `limit` spans overlap: (from, to, how many)."""
-    events: list[tuple[float, int]] = []
+def _inside(t: float, grace: Iterable[tuple[float, float]]) -> bool:
+    return any(a <= t <= b for a, b in grace)
+
+
+def crowding(
+    spans: Iterable[SpanRow], limit: int, grace: list[tuple[float, float]]
+) -> list[tuple[float, float, int, int]]:
+    """The stretches of time in which more than `limit` spans overlap: (from, to, how many,
+    how many of those began within a grace window)."""
+    # The grace windows' edges cut stretches, so each lies inside one or outside all.
+    events: list[tuple[float, int, int]] = [(t, 0, 0) for window in grace for t in window]
     for _, start, end, _ in spans:
         if end > start:
-            events += [(start, 1), (end, -1)]
+            late = int(_inside(start, grace))
+            events += [(start, 1, late), (end, -1, -late)]
     events.sort()  # at equal times an end (-1) sorts before a start
-    found: list[tuple[float, float, int]] = []
-    count = 0
-    for i, (t, step) in enumerate(events[:-1]):
-        count += step
+    found: list[tuple[float, float, int, int]] = []
+    count = carried = 0
+    for i, (t, step, late) in enumerate(events[:-1]):
+        count, carried = count + step, carried + late
         after = events[i + 1][0]
         if count > limit and after > t:
-            found.append((t, after, count))
+            found.append((t, after, count, carried))
     return found
 
 
 @dataclass
 class Overshoot:
-    """Most in flight above a limit, inside the grace after empty restarts and outside."""
+    """Most in flight above a limit: inside the grace windows after empty restarts; past
+    them, by requests admitted within them; and otherwise (a violation)."""
 
     inside: int = 0
+    carried: int = 0
     outside: int = 0
     # How long after its restart's kill the last overshoot inside a grace window ended.
     settled_s: float = 0.0
@@ -139,26 +150,29 @@ def overshoot(
     grace: list[tuple[float, float]],
     t0: float,
 ) -> Overshoot:
-    """Outside the grace windows: never above `limit`, at any instant. Inside: at most twice
-    the limit (what was in flight plus what was admitted before the write-back)."""
+    """SPEC 4: never above `limit` by more than what was admitted while Redis had forgotten
+    what is in flight. So at any instant: at most twice the limit; outside the grace
+    windows, at most the limit plus the requests still running that began within one."""
     found = Overshoot()
-    stretch: list[float] = []  # an overshoot outside the grace: [from, to, most at once]
-    for start, end, count in crowding(spans, limit):
-        over = count - limit
+    stretch: list[float] = []  # an overshoot not so explained: [from, to, most at once]
+    for start, end, count, carried in crowding(spans, limit, grace):
+        if count > 2 * limit:
+            found.where.append(f"{what}: {count} in flight > 2 x {limit} at {start - t0:.3f}s")
         within = [a for a, b in grace if a <= start and end <= b]
         if within:
-            found.inside = max(found.inside, over)
+            found.inside = max(found.inside, count - limit)
             found.settled_s = max(found.settled_s, end - within[0])
-            if count > 2 * limit:
-                found.where.append(f"{what}: {count} in flight > 2 x {limit} at {start - t0:.3f}s")
             continue
-        found.outside = max(found.outside, over)
+        if count - carried <= limit:
+            found.carried = max(found.carried, count - limit)
+            continue
+        found.outside = max(found.outside, count - carried - limit)
         if stretch and stretch[1] == start:
-            stretch[1:] = [end, max(stretch[2], count)]
+            stretch[1:] = [end, max(stretch[2], count - carried)]
             continue
         if stretch:
             found.where.append(_outside(what, limit, stretch, grace, t0))
-        stretch = [start, end, count]
+        stretch = [start, end, count - carried]
     if stretch:
         found.where.append(_outside(what, limit, stretch, grace, t0))
     return found
@@ -169,8 +183,8 @@ def _outside(
 ) -> str:
     start, end, most = stretch
     return (
-        f"{what}: {most:.0f} in flight > {limit} from {start - t0:.3f}s to {end - t0:.3f}s, "
-        f"not within a grace window {_near(start, grace, t0)}"
+        f"{what}: {most:.0f} in flight > {limit} (not counting what began in a grace window) "
+        f"from {start - t0:.3f}s to {end - t0:.3f}s {_near(start, grace, t0)}"
     )
 
 
@@ -179,7 +193,7 @@ def _near(t: float, grace: list[tuple[float, float]], t0: float) -> str:
     if not before:
         return "(no empty restart before)"
     a, b = before[-1]
-    return f"(the last was {a - t0:.3f}s to {b - t0:.3f}s)"
+    return f"(the last grace window was {a - t0:.3f}s to {b - t0:.3f}s)"
 
 
 def peaks_over(
@@ -191,11 +205,15 @@ def peaks_over(
     t0: float,
 ) -> list[str]:
     """The polled check, throughout: each window's peak at a worker is at most `limit`
-    (twice that when the window meets a grace window), plus the requests hung up at that
-    worker that it saw end within the window (it may count them after the slot was given
-    away)."""
+    (twice that when the window meets a grace window), plus the requests at that worker
+    that began within a grace window and ran into this one, plus those hung up that it saw
+    end within the window (it may count them after the slot was given away)."""
     ends: dict[str, list[float]] = {
         w: sorted(end for rid, _, end, aborted in rows if aborted and rid in due)
+        for w, rows in spans.items()
+    }
+    carried = {
+        w: [(start, end) for _, start, end, _ in rows if _inside(start, grace)]
         for w, rows in spans.items()
     }
     bad = []
@@ -203,7 +221,8 @@ def peaks_over(
         overlaps = any(a <= w.until and w.since <= b for a, b in grace)
         late = ends.get(w.worker, [])
         lagging = bisect.bisect_right(late, w.until) - bisect.bisect_left(late, w.since)
-        bound = (2 * limit if overlaps else limit) + lagging
+        running = sum(1 for a, b in carried.get(w.worker, []) if a <= w.until and w.since <= b)
+        bound = (2 * limit if overlaps else min(2 * limit, limit + running)) + lagging
         if w.peak > bound:
             bad.append(
                 f"worker {w.worker}: peak {w.peak} in flight > {bound} in "
