@@ -6,8 +6,11 @@ in FIFO order, emits the first token after `ttft_ms` and one more every `itl_ms`
 once when the client goes away, counting the request as aborted so tests can prove that a
 gateway cancels its upstream calls. All state lives on the app object.
 
-Test seams: `GET|DELETE /sim/requests` (the last requests received, as forwarded to us) and
-`GET|POST /sim/fault` (hang, error500, die_mid_stream).
+Test seams: `GET|DELETE /sim/requests` (the last requests received, as forwarded to us),
+`GET|POST /sim/fault` (hang, error500, die_mid_stream), and `GET /sim/peak`: the load now,
+the peaks since the last read, and the spans of the requests that ended since then (so a
+test can prove, from the worker's own view, that it was never given more than its share).
+Reading it starts a new window; the all-time peaks in /metrics are not reset.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +33,14 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.sim_load import Slots, Span
 from gateway.sim_text import BadRequest, Job, Reply, error_body, make_plan, parse_job
 
 FAULTS = frozenset({"hang", "error500", "die_mid_stream"})
 FINISH_REASONS = ("stop", "length", "abort")
 RECENT_REQUESTS = 100
+# Spans of ended requests kept for the next /sim/peak read; older ones are dropped (counted).
+SPANS_KEPT = 10_000
 _DIE_AFTER_TOKENS = 2
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -60,57 +65,10 @@ def build_sim_app(options: SimOptions) -> ASGIApp:
     return SimApp(options)
 
 
-class _Slots:
-    """FIFO admission to `size` generation slots (asyncio.Semaphore promises no order)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.running = 0
-        # High-water marks, so tests can prove the gateway never overloaded this worker.
-        self.peak_running = 0
-        self.peak_waiting = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    def try_acquire(self) -> bool:
-        if self.running < self.size and not self._waiters:
-            self.running += 1
-            self.peak_running = max(self.peak_running, self.running)
-            return True
-        return False
-
-    async def acquire(self) -> None:
-        if self.try_acquire():
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        self.peak_waiting = max(self.peak_waiting, len(self._waiters))
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # the slot was handed over just before the cancel: pass it on
-            else:
-                with suppress(ValueError):
-                    self._waiters.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # hand the slot over; `running` stays the same
-                return
-        self.running -= 1
-
-
 class _Metrics:
     """vLLM's metric names, on a registry of this app's own."""
 
-    def __init__(self, models: tuple[str, ...], slots: _Slots) -> None:
+    def __init__(self, models: tuple[str, ...], slots: Slots) -> None:
         self.registry = CollectorRegistry()
         gauges: tuple[tuple[str, str, Callable[[], float]], ...] = (
             ("vllm:num_requests_running", "Requests generating now.", lambda: slots.running),
@@ -150,9 +108,12 @@ class SimApp:
         _check(options)
         self.options = options
         self.fault = options.fault
-        self.slots = _Slots(options.max_seqs)
+        self.slots = Slots(options.max_seqs)
         self.metrics = _Metrics(options.models, self.slots)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        # [x-request-id, start, end (time.monotonic of this host), aborted] per ended request.
+        self.spans: deque[list[Any]] = deque(maxlen=SPANS_KEPT)
+        self.spans_dropped = 0
         self._ttft = options.ttft_ms / 1000.0
         self._itl = options.itl_ms / 1000.0
         self._instant = self._ttft == 0 and self._itl == 0
@@ -164,6 +125,7 @@ class SimApp:
             "/metrics": {"GET": self._metrics},
             "/sim/requests": {"GET": self._recent_requests, "DELETE": self._clear_requests},
             "/sim/fault": {"GET": self._get_fault, "POST": self._set_fault},
+            "/sim/peak": {"GET": self._peak},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,8 +176,9 @@ class SimApp:
             return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         reply = Reply(job, make_plan(job, self.options.tokens), rid, int(time.time()))
+        span = Span(headers.get("x-request-id", "")[:200], self._ended)
         try:
-            reason = await self._answer(reply, receive, send, die=fault == "die_mid_stream")
+            reason = await self._answer(reply, receive, send, span, die=fault == "die_mid_stream")
         except SimulatedCrash:
             self.metrics.finished(job.model, "abort")
             raise
@@ -234,29 +197,39 @@ class SimApp:
             return 404, error_body(404, "NotFoundError", message)
         return job
 
-    async def _answer(self, reply: Reply, receive: Receive, send: Send, die: bool) -> str:
+    async def _answer(
+        self, reply: Reply, receive: Receive, send: Send, span: Span, die: bool
+    ) -> str:
         """Generate under a slot; the finish reason, or "abort" when the client went away."""
         if reply.job.stream:
             # Headers go out before the slot is granted, as with vLLM's streaming responses.
             await send(_start(200, b"text/event-stream; charset=utf-8"))
         if self._instant and self.slots.try_acquire():
             # Nothing to wait for, so no disconnect watcher: the cheap path for benchmarks.
-            try:
-                await self._emit(reply, send, die)
-            finally:
-                self.slots.release()
+            with span:
+                try:
+                    await self._emit(reply, send, die)
+                finally:
+                    self.slots.release()
             return reply.plan.finish_reason
-        work = asyncio.ensure_future(self._emit_in_slot(reply, send, die))
+        work = asyncio.ensure_future(self._emit_in_slot(reply, send, span, die))
         if await _finished_unless_gone(work, receive):
             return reply.plan.finish_reason
         return "abort"
 
-    async def _emit_in_slot(self, reply: Reply, send: Send, die: bool) -> None:
-        await self.slots.acquire()
-        try:
-            await self._emit(reply, send, die)
-        finally:
-            self.slots.release()
+    async def _emit_in_slot(self, reply: Reply, send: Send, span: Span, die: bool) -> None:
+        # The span ends the moment the slot (or the place in line) is given up.
+        with span:
+            await self.slots.acquire()
+            try:
+                await self._emit(reply, send, die)
+            finally:
+                self.slots.release()
+
+    def _ended(self, span: list[Any]) -> None:
+        if len(self.spans) == SPANS_KEPT:
+            self.spans_dropped += 1
+        self.spans.append(span)
 
     async def _emit(self, reply: Reply, send: Send, die: bool) -> None:
         start = asyncio.get_running_loop().time()
@@ -311,6 +284,22 @@ class SimApp:
     async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.recent.clear()
         await _send_json(send, 200, {"requests": []})
+
+    async def _peak(self, scope: Scope, receive: Receive, send: Send) -> None:
+        running, waiting, inflight = self.slots.take_window()
+        spans, dropped = list(self.spans), self.spans_dropped
+        self.spans.clear()
+        self.spans_dropped = 0
+        payload = {
+            "running": self.slots.running,
+            "waiting": self.slots.waiting,
+            "peak_running": running,
+            "peak_waiting": waiting,
+            "peak_inflight": inflight,
+            "spans": spans,
+            "spans_dropped": dropped,
+        }
+        await _send_json(send, 200, payload)
 
     async def _get_fault(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _send_json(send, 200, {"fault": self.fault})

@@ -23,7 +23,9 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   end
 end
 local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
-if ARGV[4] ~= '1' then return {0, '', inflight, ahead, 0} end
+-- While Redis is being rebuilt nobody queues either: the account counts this request was
+-- checked against may not be written back yet, and a waiter would keep its entry.
+if ARGV[4] ~= '1' or rebuilding() then return {0, '', inflight, ahead, 0} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
 if ahead >= tonumber(ARGV[5]) then return {-1, '', inflight, ahead, 0} end

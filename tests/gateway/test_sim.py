@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim import SimOptions, _Slots, build_sim_app
+from gateway.sim import SimOptions, build_sim_app
+from gateway.sim_load import Slots
 
 StartSim = Callable[..., Awaitable[str]]
 
@@ -352,7 +354,7 @@ async def test_max_seqs_queues_the_rest(start_sim: StartSim, http: httpx.AsyncCl
 
 
 async def test_slots_are_fifo_and_survive_cancelled_waiters() -> None:
-    slots = _Slots(1)
+    slots = Slots(1)
     await slots.acquire()
     order: list[str] = []
 
@@ -370,6 +372,42 @@ async def test_slots_are_fifo_and_survive_cancelled_waiters() -> None:
     await asyncio.gather(*waiters.values(), return_exceptions=True)
     assert order == ["a", "c"]
     assert (slots.running, slots.waiting) == (1, 0)
+
+
+async def test_peak_reports_the_window_and_the_spans_of_ended_requests(
+    start_sim: StartSim, http: httpx.AsyncClient
+) -> None:
+    url = await start_sim(max_seqs=1, ttft_ms=30, itl_ms=10, tokens=4)
+    body = {"model": "sim-model", "prompt": "x"}
+    before = time.monotonic()
+    answers = await asyncio.gather(
+        *(http.post(f"{url}/v1/completions", json=body, headers={"x-request-id": f"r{i}"})
+          for i in range(3))
+    )  # fmt: skip
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    async with http.stream(
+        "POST", f"{url}/v1/completions", json=body | {"stream": True, "max_tokens": 4000},
+        headers={"x-request-id": "gone"},
+    ) as stream:  # fmt: skip
+        await anext(stream.aiter_bytes())
+    await wait_metric(
+        http, url, "vllm:request_success_total", 1, finished_reason="abort", model_name="sim-model"
+    )
+    peak = (await http.get(f"{url}/sim/peak")).json()
+    assert (peak["running"], peak["waiting"]) == (0, 0)
+    # Three at once on one slot: one ran while two waited.
+    assert (peak["peak_running"], peak["peak_waiting"], peak["peak_inflight"]) == (1, 2, 3)
+    spans = {rid: (start, end, aborted) for rid, start, end, aborted in peak["spans"]}
+    assert set(spans) == {"r0", "r1", "r2", "gone"}
+    assert all(before <= start <= end <= time.monotonic() for start, end, _ in spans.values())
+    assert [spans[rid][2] for rid in ("r0", "r1", "r2", "gone")] == [False, False, False, True]
+    # The slot is FIFO and held in turn: the three spans' ends are at least one answer apart.
+    ends = sorted(spans[rid][1] for rid in ("r0", "r1", "r2"))
+    assert ends[1] - ends[0] >= 0.03 and ends[2] - ends[1] >= 0.03
+    again = (await http.get(f"{url}/sim/peak")).json()
+    assert (again["peak_inflight"], again["spans"], again["spans_dropped"]) == (0, [], 0)
+    # The all-time peaks in /metrics stay.
+    assert await metric(http, url, "sim:peak_requests_waiting", model_name="sim-model") == 2
 
 
 async def test_recent_requests_record_body_and_headers(
