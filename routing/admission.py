@@ -158,7 +158,7 @@ class Admission:
             if self.slots[cand.model.name].capacity == 0:
                 last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
                 continue
-            result = await self._try(walk, cand, tier)
+            result = await self._try_past_rebuild(walk, cand, tier)
             endpoint = await self._settle(walk, cand, tier, result)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
@@ -169,6 +169,23 @@ class Admission:
             last = self._rejection(cand.model, tier, result)
         assert last is not None
         raise last
+
+    async def _try_past_rebuild(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
+        """`_try`; a request that may wait and finds the model being rebuilt (Redis lost its
+        state, routing/lua/prelude.lua) waits for the window to end and tries again, within
+        its queue timeout. Meanwhile it holds no account entry: the account's count may not
+        be written back yet, so it is checked again after."""
+        deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
+        while True:
+            result = await self._try(walk, cand, tier)
+            left = deadline - self._clock()
+            if not (result.rebuild_ms and cand.may_wait and left > 0):
+                return result
+            self.holdings.waiters.pop(walk.lease_id, None)
+            if self.holdings.walking.pop(walk.lease_id, None) is not None:
+                walk.has_account = False
+                self.handback.give_back(walk.lease_id, None, walk.akey)
+            await asyncio.sleep(min(result.rebuild_ms / 1000, left))
 
     async def _try(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
         """One candidate's acquire; the first also takes the account's own slot, in the same

@@ -27,6 +27,8 @@ class Attempt:
     ahead: int
     # For QUEUED: the waiter's place in the queue (rank x RANK + sequence).
     place: int
+    # For BUSY while Redis is being rebuilt: ms until the rebuild window ends (else 0).
+    rebuild_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +195,9 @@ class ModelSlots:
 
 
 def attempt(reply: Sequence[Any]) -> Attempt:
-    return Attempt(int(reply[0]), text(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+    return Attempt(
+        int(reply[0]), text(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), int(reply[5])
+    )
 
 
 def sweep_result(reply: Sequence[Any]) -> Sweep:

@@ -3,8 +3,9 @@
 --       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10..12 ceilings (priority, default,
 --       flex), 13.. endpoints (n, then url, max, penalty triples), then known (0|1: this
 --       replica has seen the model's state before) and rebuild_ms (see `lost`)
--- Returns {status, endpoint, inflight, ahead, seq}: status 1 granted, 2 queued (seq = its
--- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier).
+-- Returns {status, endpoint, inflight, ahead, seq, rebuild}: status 1 granted, 2 queued
+-- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
+-- tier); rebuild = ms left of the rebuild window when that is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local ceilings = ceilings_at(10)
 local eps, at = endpoints(13)
@@ -19,17 +20,18 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   local ep = pick(eps, ARGV[8])
   if ep then
     grant(id, ep, now + ttl)
-    return {1, ep, inflight + 1, 0, 0}
+    return {1, ep, inflight + 1, 0, 0, 0}
   end
 end
 local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
-if ARGV[4] ~= '1' or rebuilding() then return {0, '', inflight, ahead, 0} end
+if rebuilding() then return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', KEYS[8]))} end
+if ARGV[4] ~= '1' then return {0, '', inflight, ahead, 0, 0} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(ARGV[5]) then return {-1, '', inflight, ahead, 0} end
+if ahead >= tonumber(ARGV[5]) then return {-1, '', inflight, ahead, 0, 0} end
 local seq = redis.call('INCR', KEYS[5])
 redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
 redis.call('ZADD', KEYS[7], now + tonumber(ARGV[6]), id)
-return {2, '', inflight, ahead, seq}
+return {2, '', inflight, ahead, seq, 0}

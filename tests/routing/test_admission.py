@@ -924,3 +924,31 @@ async def test_calls_that_never_left_leave_nothing_in_doubt(fleet: Fleet) -> Non
         with pytest.raises(ServiceUnavailable):
             await admit(adm, fleet.plan("two"))
     assert adm.holdings.orphans == {}
+
+
+async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuild(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Redis restarted empty: the first acquire of a replica that knew the model's state
+    opens the rebuild window. A fail-fast request is told to retry; one that may wait
+    waits for the window to end (holding no account entry meanwhile: the count may not be
+    written back yet) and is then admitted, its account checked against the rebuilt count."""
+    config = parse_config(CONFIG.replace("default: {queue_timeout_s: 0.5}", "default: {}"), "t")
+    fleet = Fleet(config, Registry(config.models), real_redis)
+    try:
+        adm = await fleet.admission()
+        keeper = await fleet.keeper(adm, listen=False)
+        await bounded(keeper.sweep_once())  # the replica now knows the model's state
+        await real_redis.flushdb()
+        await expect_limited(admit(adm, fleet.plan("two", fail_fast=True)), "model_busy")
+        assert await real_redis.pttl("gw:{two}:rebuild") > 0
+        waiting = asyncio.create_task(
+            adm.admit(fleet.plan("two"), tier_is(Tier.DEFAULT), "t-acme", 1)
+        )
+        lease = (await bounded(waiting)).lease  # served once the window is over
+        assert not await real_redis.exists("gw:{two}:rebuild")
+        assert await fleet.account() == 1
+        await bounded(adm.release(lease))
+        await fleet.assert_clean()
+    finally:
+        await fleet.close()
