@@ -95,7 +95,7 @@ class Admission:
         self.spool = spool
         self.scripts = Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
-        self.timing = Timing.of(lease_ttl_s, sweep_interval_s)
+        self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
         self.on_outage = on_outage
         self._tiers = tiers
         self._clock = clock

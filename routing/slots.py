@@ -58,18 +58,20 @@ class Timing:
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep.
     waiter_ttl_ms: int
-    # After a sweep had to write back what Redis lost, grants pause this long: every
-    # replica sweeps (and writes back its own) within it.
+    # Once Redis is found to have lost a model's state, grants pause this long: every
+    # replica's next sweep (and write-back) lands within it. A sweep starts at most an
+    # interval after the last one ended and takes at most the command timeout (else it
+    # fails as an outage): a slow Redis delays write-backs by its round trip.
     rebuild_ms: int = 1500
 
     @classmethod
-    def of(cls, lease_ttl_s: float, sweep_interval_s: float) -> Timing:
+    def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
         sweep_ms = int(sweep_interval_s * 1000)
         return cls(
             int(lease_ttl_s * 1000),
             max(1000, 2 * sweep_ms),
             max(3000, 3 * sweep_ms),
-            max(500, sweep_ms * 3 // 2),
+            sweep_ms * 3 // 2 + int(command_timeout_s * 1000),
         )
 
 
