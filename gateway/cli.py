@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     state = GatewayState(config, config_path=args.config)
 
     def drain() -> None:
-        state.draining = True
+        state.begin_draining()
         log.info("stopping: draining requests in flight (up to %ss)", config.shutdown_grace_s)
 
     serve(build_app(state), host, port, grace_s=config.shutdown_grace_s, on_stop=drain)

@@ -35,6 +35,8 @@ class Exchange:
     # Set before the last byte goes out: a disconnect after that is not a cancellation.
     finished: bool = False
     first_byte: float | None = None
+    # The caller disconnected (a cancellation then is theirs, not the server's shutdown).
+    caller_gone: bool = False
 
 
 class Hop:

@@ -123,14 +123,22 @@ class Proxy:
             exchange.finished = True
             await send_error(reply, exc, parsed.rid)
             return
+        except asyncio.CancelledError:
+            if exchange.caller_gone:
+                raise
+            await _cut_short(parsed.rid, exchange, reply)
+            self._state.metrics.requests.labels("", "", str(exchange.status)).inc()
+            return
         try:
             body_for = partial(_forward_body, parsed, admitted)
             await Hop(self._state, exchange, admitted, self._path, body_for, reply).run()
         except ClientGone:
             exchange.status = 499  # nginx's "client closed request", for metrics only
         except asyncio.CancelledError:
-            exchange.status = 499
-            raise
+            if exchange.caller_gone:
+                exchange.status = 499
+                raise
+            await _cut_short(parsed.rid, exchange, reply)
         except Exception as exc:  # the last resort: answered, logged, and in the record
             if not reply.ended:
                 exchange.status = 500  # the record says what the caller got
@@ -216,20 +224,19 @@ async def _until_disconnect(
     """Run `work`, cancelling it at once if the caller disconnects before it has finished."""
     task = asyncio.current_task()
     assert task is not None
-    gone = asyncio.Event()
 
     async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         if not exchange.finished:
-            gone.set()
+            exchange.caller_gone = True
             task.cancel()
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
         await work
     except asyncio.CancelledError:
-        if not gone.is_set():
+        if not exchange.caller_gone:
             raise
         task.uncancel()
     finally:
@@ -241,9 +248,29 @@ async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool
     it started, an SSE error event and the end of a started stream. True if it was sent."""
     # The type and the place only: an exception's text may quote the body.
     log.error("request %s failed: unexpected %s at %s", rid, type(exc).__name__, _where(exc))
+    return await _end_with(InternalError(), rid, reply, stream)
+
+
+async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
+    """The server cancelled the request: its graceful shutdown ran out of time. The caller
+    is told so (a 503 `shutting_down`, or an SSE error event ending a started stream)
+    rather than cut off, and the record says what it got."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()  # answered here: the request ends normally
+    exchange.finished = True
+    error = ServiceUnavailable(
+        "The gateway shut down before the answer was complete.", code="shutting_down"
+    )
+    if not reply.ended:
+        exchange.status = error.status
+    await _end_with(error, rid, reply, exchange.stream)
+
+
+async def _end_with(error: GatewayError, rid: str, reply: Reply, stream: bool) -> bool:
+    """`error` as the end of the answer, however far it had got. True if it was sent."""
     if reply.ended:
         return False
-    error = InternalError()
     try:
         if not reply.started:
             await send_error(reply, error, rid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import redis.asyncio as aioredis
@@ -101,6 +102,14 @@ class GatewayState:
             for e in model.config.endpoints:
                 up = 1 if self.health.is_up(e.base_url) else 0
                 self.metrics.endpoint_up.labels(model.name, e.base_url).set(up)
+
+    def begin_draining(self) -> None:
+        """SIGTERM (called from the signal handler): /readyz says 503 and new requests are
+        refused; requests waiting in a queue are answered 503 at once, so their callers go
+        to another replica; requests running get the grace period."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(self.admission.turn_away_waiters, "The gateway is shutting down.")
 
     def unready(self) -> str | None:
         """Why this replica should not get traffic, or None."""

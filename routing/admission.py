@@ -239,7 +239,9 @@ class Admission:
     ) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue), or None."""
         if result.status != QUEUED:
-            self.holdings.waiters.pop(walk.lease_id, None)
+            waiter = self.holdings.waiters.pop(walk.lease_id, None)
+            if waiter is not None and waiter.future.done():
+                waiter.future.exception()  # turned away meanwhile: not queued, nothing to say
             return result.endpoint if result.status == GRANTED else None
         model, lease_id = cand.model.name, walk.lease_id
         waiter = self.holdings.waiters[lease_id]
@@ -253,6 +255,9 @@ class Admission:
         finally:
             self.holdings.waiters.pop(lease_id, None)
         if waiter.future.done():
+            if (turned_away := waiter.future.exception()) is not None:
+                self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant
+                raise turned_away
             endpoint = waiter.future.result()
             self.handback.claim(lease_id, model, endpoint)
             return endpoint
@@ -315,6 +320,13 @@ class Admission:
                 )
         assert last is not None
         raise last from exc
+
+    def turn_away_waiters(self, why: str) -> None:
+        """This replica shuts down: its waiters leave their queues with a 503 now, rather
+        than being cut when the grace period ends."""
+        for waiter in self.holdings.waiters.values():
+            if not waiter.future.done():
+                waiter.future.set_exception(ServiceUnavailable(why, code="shutting_down"))
 
     # --- leases --------------------------------------------------------------------------
 

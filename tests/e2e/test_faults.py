@@ -502,3 +502,62 @@ async def _sees(url: str, replicas: int, inflight: int) -> bool:
         f"gateway_replicas {replicas:.1f}" in text
         and f'gateway_inflight{{model="l"}} {inflight:.1f}' in text
     )
+
+
+# --- shutdown -----------------------------------------------------------------------------------
+
+
+async def test_sigterm_turns_waiters_away_and_tells_those_cut_at_the_grace(fleet: Fleet) -> None:
+    """SIGTERM: queued requests get a 503 `shutting_down` at once (their callers can go to
+    another replica), running ones get the grace period; those still running when it ends
+    are told so (a 503 envelope, or an SSE error event ending the stream), never a bare
+    500 or a cut connection, and their records say what the callers got."""
+    grace_s = 2
+    doomed = procs.gateway(fleet.tmp, fleet.config + f"shutdown_grace_s: {grace_s}\n")
+    try:
+        stream_id, plain_id, rest, cut = await _sigterm_under_load(fleet, doomed, grace_s)
+        assert b'"shutting_down"' in rest and not rest.rstrip().endswith(b"[DONE]")
+        assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
+        assert doomed.popen is not None and doomed.popen.wait(timeout=SLACK_S + grace_s) == 0
+    finally:
+        doomed.stop(signal.SIGKILL)
+    await assert_records(fleet, f"faults-{RUN}-sigterm-", {stream_id, plain_id})
+    async with redis_of(fleet) as client:
+        entries = {f[b"request_id"].decode(): f for _, f in await client.xrange("usage")}
+    for request in (stream_id, plain_id):
+        assert (entries[request][b"status"], entries[request][b"outcome"]) == (b"503", b"error")
+    await assert_clean(fleet)
+
+
+async def _sigterm_under_load(
+    fleet: Fleet, doomed: procs.Proc, grace_s: float
+) -> tuple[str, str, bytes, httpx.Response]:
+    """A stream and a plain request running, two waiters queued; SIGTERM. The waiters must
+    be turned away at once. Returns the ids, the stream's bytes and the plain answer."""
+    stream_id, plain_id = rid("sigterm"), rid("sigterm")
+    headers = {**auth(KEY), "x-request-id": stream_id}
+    body = {"model": "q", "prompt": "x", "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=doomed.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body, headers=headers) as r,
+    ):
+        chunks = r.aiter_bytes()
+        first = await anext(chunks)
+        plain = asyncio.create_task(post(doomed.url, "m", rid=plain_id, max_tokens=4000))
+        waiters = [asyncio.create_task(post(doomed.url, "q", rid=rid("sigterm"))) for _ in range(2)]
+        await until(lambda: _queued(fleet, "q", 2), "the waiters", 5)
+        await until(lambda: _busy(fleet.workers, 1), "the plain request at its worker", 5)
+        assert doomed.popen is not None
+        doomed.popen.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        turned_away = await asyncio.wait_for(asyncio.gather(*waiters), grace_s + SLACK_S)
+        assert time.monotonic() - started < grace_s  # at once, not at the end of the grace
+        for answer in turned_away:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "shutting_down"
+        rest = b"".join([first] + [chunk async for chunk in chunks])
+    return stream_id, plain_id, rest, await asyncio.wait_for(plain, SLACK_S)
+
+
+async def _busy(workers: list[procs.Proc], running: int) -> bool:
+    return sum(worker_load(w)["vllm:num_requests_running"] for w in workers) == running
