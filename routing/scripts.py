@@ -90,17 +90,12 @@ class Scripts:
         outer: asyncio.Future[list[Any]],
         done: asyncio.Future[list[Any]],
     ) -> None:
-        if outer.done():
-            return
-        if done.cancelled():
-            outer.cancel()
-        elif (exc := done.exception()) is not None:
-            outer.set_exception(exc)
-        elif any(isinstance(r, NoScriptError) for r in done.result()):
+        answered = not done.cancelled() and done.exception() is None
+        if answered and any(isinstance(r, NoScriptError) for r in done.result()):
             retry = asyncio.ensure_future(self._resend_missing(client, calls, done.result()))
             retry.add_done_callback(partial(_chain, outer))
         else:
-            outer.set_result(done.result())
+            _chain(outer, done)
 
     async def run(self, client: Store, call: Call) -> Any:
         """One call; its error reply raised."""
