@@ -3,7 +3,7 @@ tests/helm/values/, its schema rejects typos and bad values, its pods are locked
 probed as the gateway expects, and the config it renders is one the gateway really loads and
 starts from.
 
-Needs helm: $HELM, `helm` on PATH, or the project's ../shared/tools/helm.
+Needs helm: $HELM, `helm` on PATH, or .ci/helm (fetches it on first use with npm).
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def _helm_binary() -> str:
     candidates = [
         os.environ.get("HELM", ""),
         shutil.which("helm") or "",
-        str(REPO.parent / "shared" / "tools" / "helm"),
+        str(REPO / ".ci" / "helm"),  # fetches helm on first use
     ]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    pytest.fail("helm not found: set $HELM, put helm on PATH or provide ../shared/tools/helm")
+    pytest.fail("helm not found: set $HELM or put helm on PATH (.ci/helm needs npm and unzip)")
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
