@@ -89,7 +89,6 @@ class Admission:
         sweep_interval_s: float = 1.0,
         command_timeout_s: float = 2.0,
     ) -> None:
-        self.redis = redis
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
         self.spool = spool
