@@ -62,7 +62,9 @@ keys:
 """
 
 
-@pytest.fixture(scope="session")
+# Package scope: its keeper trims the stream `usage`, so it must be gone before the unit
+# tests that write ancient stream ids into the same Redis run.
+@pytest.fixture(scope="package")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
     started: list[procs.Proc] = []
