@@ -1,6 +1,9 @@
 """Admission alone: Redis round trips per request and the latency of a fail-fast 429.
 
-Run: .venv/bin/python bench/admission.py [--requests N] [--redis URL]
+Run: .venv/bin/python bench/admission.py [--requests N] [--quick] [--redis URL]
+
+Redis: a redis-server of the benchmark's own on a free port, unless --redis or REDIS_URL
+names one (used as it is, never flushed).
 
 Everything is measured in one run on this machine, against the real Redis:
 - a bare Redis PING (the floor of any decision that asks Redis),
@@ -17,6 +20,7 @@ import asyncio
 import datetime as dt
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,6 +35,9 @@ from redis.asyncio.connection import Connection
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+import harness  # noqa: E402
 
 from gateway.errors import RateLimited  # noqa: E402
 from gateway.settings import parse_config  # noqa: E402
@@ -43,6 +50,7 @@ from tests.e2e import procs  # noqa: E402
 from tiers.policy import Tier  # noqa: E402
 
 KEY = "sk-bench"
+DEFAULT_OUT = ROOT / "bench" / "results" / f"admission-{dt.date.today().isoformat()}.json"
 
 
 class RoundTrips:
@@ -143,8 +151,7 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     }
 
 
-async def over_http(redis_url: str, n: int) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+async def over_http(redis_url: str, n: int, tmp: Path) -> dict[str, Any]:
     sim = procs.sim(
         tmp, "--max-seqs", "2", "--ttft-ms", "0", "--itl-ms", "50", "--tokens", "100000"
     )
@@ -179,16 +186,40 @@ async def over_http(redis_url: str, n: int) -> dict[str, Any]:
     return {"http_healthz": percentiles(floor), "fail_fast_429_http": percentiles(rejected)}
 
 
-async def main() -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run (100 requests) that writes no results file",
+    )
+    parser.add_argument(
+        "--redis",
+        help="a Redis to use as it is (default: REDIS_URL, else "
+        "a redis-server of the benchmark's own)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="results file (default bench/results/admission-<date>.json)"
+    )
     args = parser.parse_args()
-    flush = aioredis.Redis.from_url(args.redis)
-    await flush.flushdb()
-    await flush.aclose()
-    results = await in_process(args.redis, args.requests)
-    results.update(await over_http(args.redis, args.requests // 2))
+    n = 100 if args.quick else args.requests
+    tmp = Path(tempfile.mkdtemp(prefix="bench-admission-"))
+    try:
+        with harness.bench_redis(tmp, args.redis) as redis_url:
+            results = asyncio.run(measure(redis_url, n, tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(results, args.out or (None if args.quick else DEFAULT_OUT))
+
+
+async def measure(redis_url: str, n: int, tmp: Path) -> dict[str, Any]:
+    results = await in_process(redis_url, n)
+    results.update(await over_http(redis_url, n // 2, tmp))
+    return results
+
+
+def report(results: dict[str, Any], out: Path | None) -> None:
     ping = results["redis_ping"]["p50_ms"]
     results["machine"] = {"cpus": __import__("os").cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()}  # fmt: skip
@@ -199,10 +230,10 @@ async def main() -> None:
         ratio = row["p50_ms"] / ping if ping else float("nan")
         trips = row.get("round_trips", "")
         print(f"{name:34} {row['p50_ms']:8.3f} {row['p99_ms']:8.3f} {ratio:10.1f} {trips!s:>5}")
-    out = ROOT / "bench" / "results" / f"admission-{dt.date.today().isoformat()}.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"written: {out.relative_to(ROOT)}")
+    if out is not None:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"written: {out}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -1,4 +1,4 @@
-"""Processes, pinning, wrk and /proc readings for the overhead benchmark."""
+"""Processes, pinning, wrk and /proc readings for the benchmarks, and their Redis."""
 
 from __future__ import annotations
 
@@ -10,10 +10,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repo's own `tests` package, before any other
+
+from tests.redis_server import RedisServer  # noqa: E402 - no fixtures, just the process
 
 GATEWAY_CPU = "0"
 OTHERS_CPU = "1"
@@ -24,6 +31,24 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+@contextmanager
+def bench_redis(tmp: Path, given: str | None = None) -> Iterator[str]:
+    """The Redis URL a benchmark runs against: `given` (or the environment's REDIS_URL) as
+    it is, never flushed, since the benchmark did not start it; else a redis-server of the
+    benchmark's own on a free loopback port, empty, stopped at the end."""
+    url = given or os.environ.get("REDIS_URL")
+    if url:
+        print("redis: the given server, not flushed (its gw:* keys and stream `usage` grow)")
+        yield url
+        return
+    server = RedisServer(tmp).start()
+    print(f"redis: own redis-server on port {server.port}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def need(*tools: str) -> None:

@@ -2,6 +2,9 @@
 
 Run: make bench   (or: .venv/bin/python bench/overhead.py [--seconds 8])
 
+Redis: a redis-server of the benchmark's own on a free port, unless REDIS_URL names one
+(used as it is, never flushed).
+
 One run, one machine: an upstream that costs almost nothing (nginx answering a static
 completion), an nginx `proxy_pass` in front of it (the floor for any proxy), and the gateway
 (real Redis admission on) in front of it too. The gateway is pinned to CPU 0; nginx, wrk, the
@@ -25,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -33,7 +35,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 import harness  # noqa: E402
 
 KEY = "sk-bench-overhead"
-REDIS_URL = "redis://127.0.0.1:6379/13"
 ANSWER = json.dumps(
     {
         "id": "cmpl-static", "object": "text_completion", "created": 0, "model": "static",
@@ -45,10 +46,10 @@ ANSWER = json.dumps(
 BODY = '{"model": "bench", "prompt": "hello", "max_tokens": 1}'
 
 
-def config(static: int, sim: str, full: str) -> str:
+def config(redis_url: str, static: int, sim: str, full: str) -> str:
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     return f"""
-redis: {{url: "{REDIS_URL}", lease_ttl_s: 30}}
+redis: {{url: "{redis_url}", lease_ttl_s: 30}}
 models:
   bench: {{endpoints: [{{url: "http://127.0.0.1:{static}", max_concurrency: 4096, model: static}}]}}
   stream: {{endpoints: [{{url: "{sim}", max_concurrency: 256, model: m1}}]}}
@@ -99,40 +100,46 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=200)
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/<date>.json)")
     args = parser.parse_args()
     harness.need("wrk", "nginx", "taskset")
-    redis.Redis.from_url(REDIS_URL).flushdb()
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     procs: list[harness.Proc] = []
-    try:
-        ngx, static, proxy = harness.nginx(tmp, ANSWER)
-        procs.append(ngx)
-        sim_port, full_port = harness.free_port(), harness.free_port()
-        sim = harness.start(
-            harness.gateway_cli("sim", "--port", str(sim_port), "--models", "m1", "--max-seqs",
-                                "256", "--ttft-ms", "0", "--itl-ms", "0", "--tokens", "64"),
-            sim_port, "/health", tmp / "sim.log", harness.OTHERS_CPU,
-        )  # fmt: skip
-        procs.append(sim)
-        full = harness.start(
-            harness.gateway_cli("sim", "--port", str(full_port), "--models", "m1",
-                                "--ttft-ms", "0", "--itl-ms", "100", "--tokens", "100000"),
-            full_port, "/health", tmp / "full.log", harness.OTHERS_CPU,
-        )  # fmt: skip
-        procs.append(full)
-        gw_port = harness.free_port()
-        (tmp / "gateway.yaml").write_text(config(static, sim.url, full.url))
-        gw = harness.start(
-            harness.gateway_cli("serve", "--config", str(tmp / "gateway.yaml"), "--port",
-                                str(gw_port), "--host", "127.0.0.1"),
-            gw_port, "/healthz", tmp / "gateway.log", harness.GATEWAY_CPU,
-        )  # fmt: skip
-        procs.append(gw)
-        results = measure(tmp, static, proxy, gw, sim, args)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-    report(results)
+    with harness.bench_redis(tmp) as redis_url:
+        try:
+            results = run(tmp, redis_url, procs, args)
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+    report(results, args.out)
+
+
+def run(tmp: Path, redis_url: str, procs: list[harness.Proc], args: Any) -> dict[str, Any]:
+    """Start nginx, the simulators and the gateway (each added to `procs`), then measure."""
+    ngx, static, proxy = harness.nginx(tmp, ANSWER)
+    procs.append(ngx)
+    sim_port, full_port = harness.free_port(), harness.free_port()
+    sim = harness.start(
+        harness.gateway_cli("sim", "--port", str(sim_port), "--models", "m1", "--max-seqs",
+                            "256", "--ttft-ms", "0", "--itl-ms", "0", "--tokens", "64"),
+        sim_port, "/health", tmp / "sim.log", harness.OTHERS_CPU,
+    )  # fmt: skip
+    procs.append(sim)
+    full = harness.start(
+        harness.gateway_cli("sim", "--port", str(full_port), "--models", "m1",
+                            "--ttft-ms", "0", "--itl-ms", "100", "--tokens", "100000"),
+        full_port, "/health", tmp / "full.log", harness.OTHERS_CPU,
+    )  # fmt: skip
+    procs.append(full)
+    gw_port = harness.free_port()
+    (tmp / "gateway.yaml").write_text(config(redis_url, static, sim.url, full.url))
+    gw = harness.start(
+        harness.gateway_cli("serve", "--config", str(tmp / "gateway.yaml"), "--port",
+                            str(gw_port), "--host", "127.0.0.1"),
+        gw_port, "/healthz", tmp / "gateway.log", harness.GATEWAY_CPU,
+    )  # fmt: skip
+    procs.append(gw)
+    return measure(tmp, static, proxy, gw, sim, args)
 
 
 def measure(
@@ -202,7 +209,7 @@ def fail_fast(tmp: Path, gw: harness.Proc, seconds: int) -> dict[str, float]:
     return {"p50_ms": run.p50_ms, "p99_ms": run.p99_ms}
 
 
-def report(results: dict[str, Any]) -> None:
+def report(results: dict[str, Any], out: Path | None) -> None:
     tp, lat = results["throughput_c32"], results["latency_c1"]
     stream = results["stream_64_chunks"]
     results["summary"] = {
@@ -220,7 +227,7 @@ def report(results: dict[str, Any]) -> None:
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-    out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}.json"
+    out = out or ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"{'non-stream, c=32':28} {'req/s':>10} {'CPU ms/req':>11}")
     for name, row in tp.items():
@@ -236,7 +243,7 @@ def report(results: dict[str, Any]) -> None:
     print(f"  fail-fast 429 c=1          p50 {ff['p50_ms']} ms  p99 {ff['p99_ms']} ms")
     print(f"  gateway RSS after the run  {results['gateway_rss_mib']} MiB")
     print("summary:", json.dumps(results["summary"]))
-    print(f"written: {out.relative_to(ROOT)}")
+    print(f"written: {out}")
 
 
 if __name__ == "__main__":

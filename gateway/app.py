@@ -91,7 +91,7 @@ class GatewayApp:
         return _json({"status": "ok"}, request)
 
     async def _readyz(self, request: Request) -> Response:
-        """SPEC 1: 503 with the reason while draining, while a model has no healthy
+        """docs/api.md: 503 with the reason while draining, while a model has no healthy
         endpoint, or while Redis does not answer within the command timeout."""
         reason = self.state.unready()
         if reason is None:

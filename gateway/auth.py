@@ -52,7 +52,7 @@ def account_from_config(key: KeyConfig) -> Account:
 def key_from_headers(
     authorization: str | None, x_api_key: str | None, xi_api_key: str | None
 ) -> str | None:
-    """The caller's key, looked for in SPEC order: Bearer, x-api-key, xi-api-key."""
+    """The caller's key, looked for in documented order: Bearer, x-api-key, xi-api-key."""
     if authorization:
         scheme, _, value = authorization.partition(" ")
         if scheme.lower() == "bearer" and value.strip():

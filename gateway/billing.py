@@ -1,4 +1,4 @@
-"""The usage record of one admitted request, from what the edge saw of it (SPEC 7)."""
+"""The usage record of one admitted request, from what the edge saw of it (docs/usage.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`gateway` command line (SPEC section 9). `python -m gateway` is the same."""
+"""`gateway` command line (docs/cli.md). `python -m gateway` is the same."""
 
 from __future__ import annotations
 

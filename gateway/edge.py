@@ -1,6 +1,6 @@
 """Plain-ASGI helpers for the hot routes: headers, request id, body, JSON and error replies.
 
-The completion routes bypass Starlette's request/response objects (DESIGN: every layer on
+The completion routes bypass Starlette's request/response objects (every layer on
 the hot path costs); these helpers keep that code short and in one place.
 """
 

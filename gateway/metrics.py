@@ -1,4 +1,4 @@
-"""Every Prometheus metric of SPEC section 8, declared once, in a registry per app.
+"""Every Prometheus metric of docs/metrics.md, declared once, in a registry per app.
 
 Label values come only from config (model names, endpoint urls, tier names) or from fixed
 sets (status codes, 429 reasons), never from request text, so cardinality stays bounded.
@@ -70,7 +70,7 @@ class Metrics:
             ["model", "endpoint"], registry=r,
         )  # fmt: skip
 
-        # Not in SPEC 8: the billing safety net. Records waiting in this process's spool for
+        # Beyond traffic: the billing safety net. Records waiting in this process's spool for
         # Redis, those lost because the spool was full or unwritable (each also logged), and
         # unreadable spool lines set aside (torn by a kill or a full disk).
         self.usage_spooled = Gauge(
@@ -83,9 +83,9 @@ class Metrics:
             "gateway_usage_spool_bad_lines", "Unreadable spool lines this process set aside.",
             registry=r,
         )  # fmt: skip
-        # SPEC 7: the stream `usage` (fleet-wide: every replica shows the same), as of the
+        # docs/usage.md: the stream `usage` (fleet-wide: every replica shows the same), as of the
         # last spool round, after trimming to usage.retention_days.
-        # Not in SPEC 8: the fleet as this replica last saw it (its `on_outage: local` share
+        # Beyond traffic: the fleet as this replica last saw it (its `on_outage: local` share
         # is the capacity divided among these).
         self.replicas = Gauge(
             "gateway_replicas", "Live gateway replicas, as this one's last sweep saw them.",

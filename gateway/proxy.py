@@ -1,4 +1,4 @@
-"""POST /v1/completions and /v1/chat/completions: the walk of one request (DESIGN.md).
+"""POST /v1/completions and /v1/chat/completions: the walk of one request.
 
 auth -> body -> tier -> fallback plan -> admission (lease) -> forward -> relay -> release.
 Each step is a call into gateway/, tiers/ or routing/; this module composes them and owns

@@ -3,7 +3,7 @@
 The caller sees the gateway's model name and the applied `service_tier`; everything else the
 worker sent passes through. Usage is picked up on the way for billing and metrics. Worker
 errors become the OpenAI envelope. A streamed answer is held back only until its current
-SSE event is complete, and never more than `limits.max_event_bytes` of it (SPEC 4).
+SSE event is complete, and never more than `limits.max_event_bytes` of it (docs/api.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Usage:
 
 
 def worker_error(status: int, body: bytes) -> GatewayError:
-    """A worker's error answer as the gateway's own error (SPEC 1: one meaning per status)."""
+    """A worker's error answer as the gateway's own error (one meaning per status)."""
     message, code, param = _error_fields(body)
     if status in (408, 504):
         return UpstreamTimeout(f"The worker timed out: {message}")

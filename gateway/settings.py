@@ -1,4 +1,4 @@
-"""The gateway's configuration: the YAML of SPEC section 10, validated once at start.
+"""The gateway's configuration: the YAML of docs/config.md, validated once at start.
 
 `load_config` reads a file, expands `${VAR}` / `${VAR:-default}` inside string values, and
 validates it; any problem becomes one `ConfigError` line that names the bad key.
@@ -42,7 +42,7 @@ class RedisConfig(BaseModel):
 
     url: str = Field("redis://127.0.0.1:6379/0", repr=False)
     lease_ttl_s: float = Field(30.0, ge=1.0, le=3600.0)
-    # No Redis call waits longer than this; past it the call fails as an outage (SPEC 4).
+    # No Redis call waits longer than this; past it the call fails as an outage (docs/config.md).
     command_timeout_s: float = Field(2.0, gt=0.0, le=60.0)
     on_outage: Literal["reject", "local"] = "reject"
 

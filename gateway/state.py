@@ -142,7 +142,7 @@ class GatewayState:
         old_names = set(self.registry.names())
         self.config = config
         self.registry = Registry(config.models)
-        # Endpoints that leave stay known while leases still hold them (SPEC 4).
+        # Endpoints that leave stay known while leases still hold them.
         self.pools.apply(
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )

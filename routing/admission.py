@@ -1,4 +1,4 @@
-"""Fleet-wide admission (SPEC 4 and 5): slots leased in Redis, a tiered queue, precise 429s.
+"""Fleet-wide admission (docs/api.md): slots leased in Redis, a tiered queue, precise 429s.
 
 `Admission.admit` walks the request's candidates (routing.plan) and returns a `Lease` on one
 model's endpoint, or raises `RateLimited` with the last entry's reason. Every path out of a

@@ -1,4 +1,4 @@
-"""Background rounds that never stop for good (SPEC 4, "Guarantees under faults").
+"""Background rounds that never stop for good (docs/architecture.md).
 
 Every periodic task of a replica (sweep, spool flush, health probes, config reload, the
 wake-up subscription) runs its rounds through `every`: an error in one round, whatever its

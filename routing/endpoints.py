@@ -3,8 +3,8 @@
 Admission picks the endpoint of each lease from counts shared in Redis (routing/slots.py);
 these local counts and `Pool.pick` serve only while Redis is away (`on_outage: local`).
 
-A config reload must never pull an endpoint from under a request (SPEC 4, "Guarantees under
-faults"): an endpoint whose URL stays keeps its object (and so its in-flight count) with the
+A config reload must never pull an endpoint from under a request (docs/architecture.md,
+Live config): an endpoint whose URL stays keeps its object (and so its in-flight count) with the
 new settings, and one that leaves stays findable, retired, while a lease still holds it.
 """
 

@@ -1,4 +1,4 @@
-"""Retry-After: when a slot is likely free for a newcomer (SPEC 4: an estimate, not a constant).
+"""Retry-After: when a slot is likely free for a newcomer (an estimate, not a constant).
 
 Two views of how fast a model frees slots, and the faster one wins:
 - the fleet's measured rate: the `freed` counter in Redis, read by every sweep, smoothed;

@@ -1,4 +1,4 @@
-"""What one replica holds in Redis: the source of truth when Redis forgets (SPEC 4).
+"""What one replica holds in Redis: the source of truth when Redis forgets (docs/architecture.md).
 
 Redis is state that can vanish (a restart without persistence, a failover to a replica
 that lost recent writes). Each replica therefore remembers, in memory, everything it holds

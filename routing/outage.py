@@ -1,4 +1,4 @@
-"""Admission while Redis is unreachable, under `on_outage: local` (SPEC 4).
+"""Admission while Redis is unreachable, under `on_outage: local` (docs/api.md).
 
 Each replica admits against its own limit, so that across the fleet the limits add up to at
 most the capacity. From its last sweep before the outage a replica knows how many slots of

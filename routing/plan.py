@@ -1,4 +1,4 @@
-"""The fallback walk of SPEC section 5: which models to try, in order, and which may queue."""
+"""The fallback walk of docs/api.md: which models to try, in order, and which may queue."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Redis answers the commands of a connection in the order it received them, so one
 connection can carry the calls of every concurrent request at once: each call writes its
 commands straight to the socket and gets a future resolved, in FIFO order, when its replies
 have been parsed (hiredis, in C). No connection-pool checkout, lock, or timer or task per
-call (redis-py spends more than the Lua scripts themselves on those, DESIGN.md).
+call (redis-py spends more than the Lua scripts themselves on those, bench/README.md).
 
 Deadlines: every call must be answered within `command_timeout_s` of being sent. Replies
 come in order, so only the oldest pending call can be late first: one timer per connection,

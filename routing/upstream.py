@@ -1,7 +1,7 @@
 """The hop to GPU workers: one shared aiohttp session per process, behind a small seam.
 
 aiohttp rather than httpx here because it measured 4-8x cheaper in CPU per proxied request
-(DESIGN.md). Its errors never leave this module: they become `gateway.errors` exceptions.
+(measured). Its errors never leave this module: they become `gateway.errors` exceptions.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ DASHBOARD_PATH = Path(__file__).resolve().parents[1] / "helm" / "dashboards" / "
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 
-# The metric families of SPEC section 8, as the spec spells them.
+# The core metric families of docs/metrics.md, spelt as there.
 SPEC_8_METRICS = (
     "gateway_requests_total",
     "gateway_request_duration_seconds",
@@ -153,7 +153,7 @@ def parse_expr(expr: str) -> tuple[list[str], set[str], set[str], set[str]]:
 
 
 def spec_family(name: str) -> str | None:
-    """The exported family a SPEC 8 name denotes: a sample name (`gateway_requests_total`)
+    """The exported family a core metric name denotes: a sample name (`gateway_requests_total`)
     or, for histograms, the family name itself (`gateway_request_duration_seconds`)."""
     names = exported_names()
     if name in names:
@@ -210,7 +210,7 @@ def test_suffix_rule_matches_what_prometheus_client_exports() -> None:
 
 def test_spec_8_families_are_all_exported() -> None:
     for name in SPEC_8_METRICS:
-        assert spec_family(name), f"SPEC 8 metric {name} is not exported"
+        assert spec_family(name), f"core metric {name} is not exported"
 
 
 # --- dashboard shape --------------------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_expr_uses_only_exported_metrics(item: tuple[dict[str, Any], dict[str, A
 
 
 def test_every_spec_8_family_appears_in_a_panel() -> None:
-    """SPEC 8 metrics all have a panel. Metrics outside SPEC 8 (the usage spool's) may too,
+    """Core metrics all have a panel. The others (the usage spool's) may too,
     but need not."""
     used_families = {
         exported_names()[name]
@@ -338,7 +338,7 @@ def test_every_spec_8_family_appears_in_a_panel() -> None:
         if name in exported_names()
     }
     missing = [n for n in SPEC_8_METRICS if spec_family(n) not in used_families]
-    assert not missing, f"SPEC 8 metrics without a panel: {missing}"
+    assert not missing, f"core metrics without a panel: {missing}"
 
 
 def test_fleet_wide_gauges_are_not_summed_over_replicas() -> None:

@@ -1,6 +1,6 @@
 """Service tiers: the names, their admission policy and their price multipliers.
 
-The defaults are the contract of SPEC section 3/4: priority and default may fill the whole
+The defaults are the contract of docs/api.md: priority and default may fill the whole
 model, flex only its spare 20 %, and each tier has its own queue timeout and price factor.
 """
 

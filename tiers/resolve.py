@@ -1,4 +1,4 @@
-"""Which tier a request rides (SPEC section 3).
+"""Which tier a request rides (docs/api.md).
 
 Precedence: the body's `service_tier` (already validated, aliases allowed), then the
 `x-deepinfra-service-tier` header (junk rides default), then default. A tier the model does

@@ -1,6 +1,6 @@
 """Usage records: what one admitted request used, at which tier and model, and its price.
 
-One record per admitted request, whatever the outcome (SPEC 7). Fields are flat, so a record
+One record per admitted request, whatever the outcome (docs/usage.md). Fields are flat, so a record
 is one Redis stream entry and one JSONL/CSV row. Prices are USD per million tokens times the
 applied tier's multiplier.
 """

@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 # An immutable compiled pattern, not state: any ':' or '@' marks a deploy_id:, :revision or
-# host:port specifier, which the fallback list must not carry (SPEC section 5).
+# host:port specifier, which the fallback list must not carry (docs/api.md).
 _MODEL_NAME_FORBIDDEN = re.compile(r"[\s:@]")
 _MODEL_NAME_PATTERN = r"^[^\s:@]+$"
 

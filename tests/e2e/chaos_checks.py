@@ -150,7 +150,7 @@ def overshoot(
     grace: list[tuple[float, float]],
     t0: float,
 ) -> Overshoot:
-    """SPEC 4: never above `limit` by more than what was admitted while Redis had forgotten
+    """docs/api.md: never above `limit` by more than what was admitted while Redis had forgotten
     what is in flight. So at any instant: at most twice the limit; outside the grace
     windows, at most the limit plus the requests still running that began within one."""
     found = Overshoot()

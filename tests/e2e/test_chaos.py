@@ -1,6 +1,6 @@
 """The randomized fault test (issue 10): two gateway replicas on one private Redis while, at
 random, Redis restarts empty (or from its AOF), stalls, a replica is killed and replaced,
-and clients hang up. The promises of SPEC 4 ("Guarantees under faults") and 7 are checked
+and clients hang up. The promises of docs/architecture.md and docs/usage.md are checked
 throughout and at the end. Bounded: at most MAX_REQUESTS requests over TRAFFIC_S seconds.
 
 The seed comes from $GATEWAY_CHAOS_SEED (else it is random); it is printed and is in every
@@ -10,7 +10,7 @@ order; their interleaving depends on the machine).
 What is checked, and how it could fail (tests/e2e/chaos_checks.py):
 1. Each worker's requests in flight <= its max_concurrency, from the worker's own view: the
    exact spans of its requests (one clock for all processes) and the peaks polled every
-   POLL_S. SPEC 4: never exceeded by more than what was admitted before the write-back;
+   POLL_S. docs/api.md: never exceeded by more than what was admitted before the write-back;
    so at most twice the limit, and outside the grace windows (an empty restart's kill
    until GRACE_S after Redis answers again) at most the limit plus the requests still
    running that began within a grace window. Fails if a replica admits

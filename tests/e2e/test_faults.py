@@ -1,4 +1,4 @@
-"""SPEC 4, "Guarantees under faults", done for real: a private redis-server is restarted
+"""docs/architecture.md, "What each fault does", done for real: a private redis-server is restarted
 empty, stalled with SIGSTOP, killed; a gateway replica is killed -9 with waiters queued.
 The invariants are read from the workers' own counters and from Redis itself.
 

@@ -73,7 +73,7 @@ def test_unusable_request_id_is_replaced(http: httpx.Client, bad: bytes) -> None
     assert len(resp.headers["x-request-id"]) == 32
 
 
-# SPEC 3, end to end: (body value, header value, model, key) -> applied tier.
+# docs/api.md tiers, end to end: (body value, header value, model, key) -> applied tier.
 TIER_TABLE = [
     (None, None, "m1", KEY, "default"),
     ("priority", None, "m1", KEY, "priority"),

@@ -1,4 +1,4 @@
-"""The usage spool from outside (SPEC 7): gateway processes sharing one spool directory,
+"""The usage spool from outside (docs/usage.md): gateway processes sharing one spool directory,
 each on its own Redis, killed, restarted, and facing a full Redis. A record reaches only
 the Redis of the gateway that admitted its request, exactly once."""
 

@@ -1,4 +1,4 @@
-"""The usage record of one admitted request (SPEC 7), from what the edge saw of it: reported
+"""The usage record of one admitted request (docs/usage.md), from what the edge saw of it: reported
 or estimated tokens, the outcome, timings, labels, and the price at the applied tier."""
 
 from __future__ import annotations

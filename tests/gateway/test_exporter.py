@@ -1,4 +1,4 @@
-"""`gateway usage export` (SPEC 7): records out of the stream `usage`, since a time, as JSONL
+"""`gateway usage export` (docs/usage.md): records out of the stream `usage`, since a time, as JSONL
 or CSV, whole or summed by account, tier, model and source."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""/readyz (SPEC 1): 503 with the reason while Redis does not answer (a stall is a prompt
+"""/readyz (docs/api.md): 503 with the reason while Redis does not answer (a stall is a prompt
 503, never a hang), while a model has no healthy endpoint, or while draining."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fleet-wide admission (SPEC 4 and 5) against the real Redis: leases, fallbacks, the tiered
+"""Fleet-wide admission (docs/api.md) against the real Redis: leases, fallbacks, the tiered
 queue across replicas, wake-ups, cancellation, outages, and a randomized concurrent run."""
 
 from __future__ import annotations

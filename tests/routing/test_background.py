@@ -1,4 +1,4 @@
-"""Background rounds never stop for good (SPEC 4): any error is counted, logged once, and
+"""Background rounds never stop for good: any error is counted, logged once, and
 the next round runs."""
 
 from __future__ import annotations

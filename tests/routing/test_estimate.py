@@ -1,4 +1,4 @@
-"""Retry-After (SPEC 4): an estimate from the queue ahead and the rate slots free."""
+"""Retry-After (docs/api.md): an estimate from the queue ahead and the rate slots free."""
 
 from __future__ import annotations
 

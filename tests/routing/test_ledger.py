@@ -1,4 +1,4 @@
-"""Usage records on their way to the stream `usage` (SPEC 7): appended once per request id,
+"""Usage records on their way to the stream `usage` (docs/usage.md): appended once per request id,
 trimmed to the retention, spooled to disk while Redis is away or refusing, flushed
 (idempotently) once it takes them again. The spool's files: tests/routing/test_spool.py."""
 

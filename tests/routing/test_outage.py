@@ -1,4 +1,4 @@
-"""Local outage shares (SPEC 4, on_outage: local): they never add up to more than the capacity."""
+"""Local outage shares (on_outage: local): they never add up to more than the capacity."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fallback plan (SPEC 5): order, duplicates, unknown names, who may wait."""
+"""The fallback plan (docs/api.md): order, duplicates, unknown names, who may wait."""
 
 from __future__ import annotations
 

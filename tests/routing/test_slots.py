@@ -1,4 +1,4 @@
-"""The admission scripts (SPEC 4) at the Redis level: grants, ceilings, queue order, the
+"""The admission scripts (docs/api.md) at the Redis level: grants, ceilings, queue order, the
 sweep's write-back of what Redis lost, claim times, and batches after a script flush."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tier resolution (SPEC 3): body beats header beats default; model and key may veto."""
+"""Tier resolution (docs/api.md): body beats header beats default; model and key may veto."""
 
 from __future__ import annotations
 

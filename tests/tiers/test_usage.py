@@ -1,4 +1,4 @@
-"""Usage records (SPEC 7): prices, cut labels, and the flat stream-entry form and back."""
+"""Usage records (docs/usage.md): prices, cut labels, and the flat stream-entry form and back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tests.factories import usage_record
 from tiers.usage import MAX_SOURCE, MAX_USER, UsageRecord, cost_usd, cut
 
-# SPEC 7, in the order it lists them.
+# docs/usage.md, in the order it lists them.
 SPEC_FIELDS = [
     "request_id", "ts", "account", "key_id", "user", "source", "requested_model",
     "served_model", "fallback_index", "requested_tier", "tier", "prompt_tokens",
