@@ -1,17 +1,26 @@
-"""`gateway` command line (docs/cli.md). `python -m gateway` is the same."""
+"""Run the gateway, a demo or a simulated worker; mint API keys; export usage records.
+
+`python -m gateway` is the same. Every command and option: see docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import secrets
+import signal
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from gateway.listen import ListenError, listen
+from gateway.logs import FORMATS
+from gateway.logs import setup as setup_logs
 from gateway.settings import ConfigError, digest_key, load_config
 from tiers.policy import Tier
 
@@ -20,44 +29,78 @@ log = logging.getLogger("gateway")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", help="listen address (default: listen.host of the config)")
     serve.add_argument("--port", type=int, help="listen port (default: listen.port of the config)")
+    _log_options(serve)
 
     demo = sub.add_parser("demo", help="gateway + two simulated workers + in-process store")
-    demo.add_argument("--port", type=int, default=8000)
-    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000, help="gateway port (default: %(default)s)")
+    demo.add_argument("--host", default="127.0.0.1", help="gateway address (default: %(default)s)")
+    _log_options(demo)
 
     sim = sub.add_parser("sim", help="a simulated vLLM-like GPU worker")
-    sim.add_argument("--port", type=int, required=True)
-    sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--models", nargs="+", default=["sim-model"])
-    sim.add_argument("--max-seqs", type=int, default=8)
-    sim.add_argument("--ttft-ms", type=float, default=50.0)
-    sim.add_argument("--itl-ms", type=float, default=10.0)
-    sim.add_argument("--tokens", type=int, default=16, help="natural answer length in tokens")
-    sim.add_argument("--fault", choices=["hang", "error500", "die_mid_stream"], default=None)
+    sim.add_argument("--port", type=int, required=True, help="listen port")
+    sim.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    sim.add_argument(
+        "--models", nargs="+", default=["sim-model"], help="model names served (default: sim-model)"
+    )
+    sim.add_argument(
+        "--max-seqs", type=int, default=8, help="sequences run at once (default: %(default)s)"
+    )
+    sim.add_argument(
+        "--ttft-ms", type=float, default=50.0, help="time to first token (default: %(default)s)"
+    )
+    sim.add_argument(
+        "--itl-ms", type=float, default=10.0, help="time between tokens (default: %(default)s)"
+    )
+    sim.add_argument(
+        "--tokens", type=int, default=16, help="natural answer length in tokens (default: 16)"
+    )
+    sim.add_argument(
+        "--fault",
+        choices=["hang", "error500", "die_mid_stream"],
+        default=None,
+        help="misbehave from the start: never answer, answer 500, or cut streams short",
+    )
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(
-        dest="keys_command", required=True
+        dest="keys_command", required=True, metavar="COMMAND"
     )
     create = keys.add_parser("create", help="mint a key, print it once, store its digest")
-    create.add_argument("--config", required=True)
-    create.add_argument("--account", required=True)
-    create.add_argument("--max-concurrency", type=int, default=200)
+    create.add_argument("--config", required=True, help="YAML config file (the store to use)")
+    create.add_argument("--account", required=True, help="account the key's requests bill to")
+    create.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=200,
+        help="most requests of the key running at once (default: %(default)s)",
+    )
     create.add_argument("--models", nargs="+", help="allow-list of models (default: all)")
-    create.add_argument("--tiers", nargs="+", choices=[t.value for t in Tier])
+    create.add_argument(
+        "--tiers",
+        nargs="+",
+        choices=[t.value for t in Tier],
+        help="allow-list of service tiers (default: all)",
+    )
 
     usage = sub.add_parser("usage", help="usage records").add_subparsers(
-        dest="usage_command", required=True
+        dest="usage_command", required=True, metavar="COMMAND"
     )
     export = usage.add_parser("export", help="read the usage records")
-    export.add_argument("--config", required=True)
-    export.add_argument("--since")
-    export.add_argument("--format", choices=["jsonl", "csv"], default="jsonl")
+    export.add_argument("--config", required=True, help="YAML config file (the store to read)")
+    export.add_argument(
+        "--since", help="only records from this time on (ISO 8601; UTC unless it has a zone)"
+    )
+    export.add_argument(
+        "--format",
+        choices=["jsonl", "csv"],
+        default="jsonl",
+        help="one JSON object per line, or CSV with a header (default: %(default)s)",
+    )
     export.add_argument(
         "--by",
         help="sum instead, grouped by a comma-separated list of: account, tier, model, source",
@@ -65,42 +108,69 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log one line per request (request id, model, tier, status, durations)",
+    )
+    command.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default="text",
+        help="text for people, json (one object per line) for log pipelines (default: %(default)s)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
             from gateway.demo import main as demo_main
 
-            return demo_main(args.port, args.host)
+            setup_logs(args.log_format, access_log=args.access_log)
+            return demo_main(args.port, args.host, access_log=args.access_log)
         if args.command == "sim":
             return _sim(args)
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        )
         if args.command == "keys":
             return _keys_create(args)
         return _usage_export(args)
     except ConfigError as exc:
         print(f"gateway: config error: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before a server took the signals over
+        return 130
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway.access import AccessLog
     from gateway.app import build_app
     from gateway.server import serve
     from gateway.state import GatewayState
 
     config = load_config(args.config)
+    setup_logs(args.log_format, access_log=args.access_log)
     host = args.host or config.listen.host
-    port = args.port or config.listen.port
-    log.info("serving %d models on %s:%d", len(config.models), host, port)
+    port = config.listen.port if args.port is None else args.port
+    sock = listen(host, port)
+    log.info("serving %d models on %s:%d", len(config.models), host, sock.getsockname()[1])
     state = GatewayState(config, config_path=args.config)
 
     def drain() -> None:
         state.begin_draining()
         log.info("stopping: draining requests in flight (up to %ss)", config.shutdown_grace_s)
 
-    serve(build_app(state), host, port, grace_s=config.shutdown_grace_s, on_stop=drain)
+    app = build_app(state)
+    served = AccessLog(app) if args.access_log else app
+    serve(served, sock, grace_s=config.shutdown_grace_s, on_stop=drain)
     return 0
 
 
@@ -116,8 +186,10 @@ def _sim(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         fault=args.fault,
     )
+    setup_logs()
+    sock = listen(args.host, args.port)
     log.info("simulated worker for %s on %s:%d", ", ".join(options.models), args.host, args.port)
-    serve(build_sim_app(options), args.host, args.port)
+    serve(build_sim_app(options), sock)
     return 0
 
 
@@ -185,6 +257,9 @@ def _usage_export(args: argparse.Namespace) -> int:
 
     try:
         rows = asyncio.run(run())
+        sys.stdout.flush()  # within the try: a reader gone shows here for a short export
+    except BrokenPipeError:
+        return _reader_gone()
     except ValueError as exc:
         print(f"gateway usage export: --since: {exc}", file=sys.stderr)
         return 2
@@ -193,6 +268,15 @@ def _usage_export(args: argparse.Namespace) -> int:
         return 1
     print(f"# {rows} rows", file=sys.stderr)
     return 0
+
+
+def _reader_gone() -> int:
+    """stdout's reader left early (`| head`): no complaint, the exit status of a writer
+    killed by SIGPIPE, as other Unix tools give."""
+    # Python flushes stdout once more at exit, and would complain then.
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def _run(coro: Coroutine[Any, Any, str]) -> str:

@@ -7,9 +7,11 @@ import os
 import socket
 import sys
 
+from gateway.access import AccessLog
 from gateway.app import build_app
 from gateway.auth import create_key
-from gateway.server import serve_together, server_config
+from gateway.listen import listen
+from gateway.server import StartupFailed, serve_together, server_config
 from gateway.settings import packaged_config, parse_config
 from gateway.sim import SimOptions, build_sim_app
 from gateway.state import GatewayState
@@ -19,15 +21,12 @@ DEMO_MODELS = ("demo/llama-3-8b", "demo/mistral-7b")
 DEMO_SIM = {"max_seqs": 8, "ttft_ms": 60.0, "itl_ms": 25.0, "tokens": 24}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-async def run_demo(port: int, host: str = "127.0.0.1") -> None:
-    worker_ports = (_free_port(), _free_port())
+async def run_demo(
+    gateway: socket.socket, workers: tuple[socket.socket, socket.socket], access_log: bool
+) -> None:
+    """Serve on the bound sockets until SIGINT or SIGTERM."""
+    host, port = gateway.getsockname()[:2]
+    worker_ports = [w.getsockname()[1] for w in workers]
     environ = {
         **os.environ,
         "GATEWAY_DEMO_WORKER_A": f"http://127.0.0.1:{worker_ports[0]}",
@@ -38,11 +37,12 @@ async def run_demo(port: int, host: str = "127.0.0.1") -> None:
     key = await create_key(redis, "demo", max_concurrency=50)
     state = GatewayState(config, redis=redis)
     sim = SimOptions(models=DEMO_MODELS, **DEMO_SIM)  # type: ignore[arg-type]
-    configs = [server_config(build_sim_app(sim), "127.0.0.1", p) for p in worker_ports]
-    configs.append(server_config(build_app(state), host, port))
+    app = build_app(state)
+    apps = [(server_config(build_sim_app(sim)), w) for w in workers]
+    apps.append((server_config(AccessLog(app) if access_log else app), gateway))
 
     def banner() -> None:
-        base = f"http://{host}:{port}"
+        base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         body = (
             '{"model": "demo/llama-3-8b", "service_tier": "priority", '
             '"messages": [{"role": "user", "content": "Hello!"}]}'
@@ -60,13 +60,20 @@ async def run_demo(port: int, host: str = "127.0.0.1") -> None:
             flush=True,
         )
 
-    await serve_together(configs, on_ready=banner)
+    await serve_together(apps, on_ready=banner)
 
 
-def main(port: int, host: str) -> int:
+def main(port: int, host: str, *, access_log: bool = False) -> int:
+    """The gateway's port first: if it is taken (ListenError), nothing else has started."""
+    gateway = listen(host, port)
+    # Bound here, not picked and bound later: no other process can take them in between.
+    workers = (listen("127.0.0.1", 0), listen("127.0.0.1", 0))
     try:
-        asyncio.run(run_demo(port, host))
-    except OSError as exc:
+        asyncio.run(run_demo(gateway, workers, access_log))
+    except StartupFailed as exc:
         print(f"gateway demo: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sock in (gateway, *workers):
+            sock.close()
     return 0

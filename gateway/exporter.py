@@ -52,11 +52,25 @@ def write_rows(
         writer.writeheader()
     for row in rows:
         if writer is not None:
-            writer.writerow({k: "" if row[k] is None else row[k] for k in columns})
+            writer.writerow({k: _cell(row[k]) for k in columns})
         else:
             out.write(orjson.dumps(row).decode() + "\n")
         count += 1
     return count
+
+
+# A cell starting so is run as a formula by spreadsheets (OWASP, "CSV injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: None empty; a string a spreadsheet would run as a formula quoted with a
+    leading apostrophe. Numbers stay numbers (-1.5 is a value, not a formula)."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
 
 
 RECORD_COLUMNS = [f.name for f in fields(UsageRecord)]

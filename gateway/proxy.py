@@ -1,4 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions: the walk of one request.
+"""POST /v1/completions and /v1/chat/completions: the walk of one request
+(docs/architecture.md).
 
 auth -> body -> tier -> fallback plan -> admission (lease) -> forward -> relay -> release.
 Each step is a call into gateway/, tiers/ or routing/; this module composes them and owns
@@ -18,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from gateway.access import NOTE, AccessNote
 from gateway.auth import Account, key_from_headers
 from gateway.billing import usage_record
 from gateway.edge import (
@@ -68,6 +70,8 @@ class Parsed:
     # The tier asked for (body, else header), before model and key policy apply.
     wanted: Tier
     source: str | None
+    # Filled for the access log when it is on (gateway/access.py).
+    note: AccessNote | None
 
 
 class Proxy:
@@ -82,15 +86,24 @@ class Proxy:
         started = time.perf_counter()
         headers = read_headers(scope)
         rid = request_id(headers.request_id)
+        note: AccessNote | None = scope.get(NOTE)
+        if note is not None:
+            note.request_id = rid
         reply = Reply(send)
         try:
-            await self._serve(receive, reply, headers, rid, started)
+            await self._serve(receive, reply, headers, rid, started, note)
         except Exception as exc:  # the last resort (house style): it answers, logs and counts
             if await _crashed(exc, rid, reply, stream=False):
                 self._state.metrics.requests.labels("", "", "500").inc()
 
     async def _serve(
-        self, receive: Receive, reply: Reply, headers: RequestHeaders, rid: str, started: float
+        self,
+        receive: Receive,
+        reply: Reply,
+        headers: RequestHeaders,
+        rid: str,
+        started: float,
+        note: AccessNote | None,
     ) -> None:
         state = self._state
         try:
@@ -109,7 +122,7 @@ class Proxy:
             await send_error(reply, exc, rid)
             return
         wanted = requested_tier(request.service_tier, headers.service_tier)
-        parsed = Parsed(rid, started, account, payload, request, wanted, headers.source)
+        parsed = Parsed(rid, started, account, payload, request, wanted, headers.source, note)
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
@@ -153,7 +166,7 @@ class Proxy:
                 admission.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
             # With the record, in one round trip.
             admission.release(admitted.lease, record)
-            self._observe(admitted, exchange)
+            self._observe(admitted, exchange, parsed.note)
 
     async def _admit(self, parsed: Parsed) -> Admitted:
         request, account = parsed.request, parsed.account
@@ -204,14 +217,21 @@ class Proxy:
             tier = parsed.wanted.value
             metrics.rejections.labels(model, tier, exc.code).inc()
         metrics.requests.labels(model, tier, str(exc.status)).inc()
+        if parsed.note is not None:
+            parsed.note.model, parsed.note.tier = model or None, tier or None
 
-    def _observe(self, admitted: Admitted, exchange: Exchange) -> None:
+    def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
         metrics = self._state.metrics
         model, tier = admitted.candidate.model.name, admitted.tier.value
         metrics.requests.labels(model, tier, str(exchange.status)).inc()
         metrics.duration.labels(model, tier).observe(time.perf_counter() - exchange.started)
-        if exchange.first_byte is not None:
-            metrics.ttft.labels(model, tier).observe(exchange.first_byte - exchange.started)
+        ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
+        if ttft is not None:
+            metrics.ttft.labels(model, tier).observe(ttft)
+        if note is not None:
+            note.model, note.tier, note.status = model, tier, exchange.status
+            note.queue_ms = round(admitted.lease.queued_ms, 3)
+            note.ttft_ms = None if ttft is None else round(ttft * 1000, 3)
         usage = exchange.usage
         if usage.reported:
             metrics.tokens.labels(model, tier, "prompt").inc(usage.prompt_tokens)

@@ -1,9 +1,11 @@
-"""Running ASGI apps under uvicorn (uvloop + httptools), alone or several in one loop."""
+"""Running ASGI apps under uvicorn (uvloop + httptools), alone or several in one loop,
+each on a socket already bound by gateway/listen.py."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
@@ -17,17 +19,18 @@ try:  # uvloop is not on every platform; httptools is
 except ImportError:  # pragma: no cover
     LOOP = "asyncio"
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-def server_config(app: object, host: str, port: int, grace_s: float = 30) -> uvicorn.Config:
+
+def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
-        host=host,
-        port=port,
         loop=LOOP,
         http="httptools",
         lifespan="on",
-        access_log=False,  # no per-request logging on the hot path (and no prompts in logs)
+        access_log=False,  # the gateway's own access log, if asked for (gateway/access.py)
         log_level="warning",
+        log_config=None,  # uvicorn's lines go through the process's handler (text or JSON)
         server_header=False,
         timeout_graceful_shutdown=int(grace_s) or None,
     )
@@ -49,8 +52,7 @@ class _DrainingServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises the stop signal after its graceful shutdown, so the process
         # would die of SIGTERM; a drained gateway exits 0 instead (Kubernetes reads it).
-        stops = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -60,15 +62,19 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(
     app: object,
-    host: str,
-    port: int,
+    sock: socket.socket,
     *,
     grace_s: float = 30,
     on_stop: Callable[[], None] | None = None,
 ) -> None:
-    """Run one app until SIGINT/SIGTERM: then it stops accepting, lets requests in flight
-    finish for up to `grace_s`, runs the lifespan shutdown and returns."""
-    _DrainingServer(server_config(app, host, port, grace_s), on_stop).run()
+    """Run one app on `sock` (from `listen`) until SIGINT/SIGTERM: then it stops accepting,
+    lets requests in flight finish for up to `grace_s`, runs the lifespan shutdown and
+    returns."""
+    _DrainingServer(server_config(app, grace_s), on_stop).run(sockets=[sock])
+
+
+class StartupFailed(Exception):
+    """An app's lifespan startup failed (uvicorn says so with sys.exit)."""
 
 
 class _QuietServer(uvicorn.Server):
@@ -78,30 +84,53 @@ class _QuietServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().serve(sockets)
+        except SystemExit as exc:
+            # Out of a task, SystemExit would escape the event loop and strand the other
+            # servers; as an exception their owner stops them.
+            raise StartupFailed(f"startup failed (exit code {exc.code})") from None
+
 
 async def serve_together(
-    configs: Sequence[uvicorn.Config], on_ready: Callable[[], None] | None = None
+    apps: Sequence[tuple[uvicorn.Config, socket.socket]],
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Run several servers in this loop; SIGINT or SIGTERM stops them all."""
-    servers = [_QuietServer(c) for c in configs]
+    """Run several servers in this loop until SIGINT or SIGTERM, or until one of them
+    ends or fails (then all stop; a failure is raised). A second signal stops at once."""
+    servers = [_QuietServer(config) for config, _ in apps]
     loop = asyncio.get_running_loop()
+    tasks = [
+        loop.create_task(server.serve([sock]))
+        for server, (_, sock) in zip(servers, apps, strict=True)
+    ]
 
     def stop() -> None:
-        for s in servers:
-            s.should_exit = True
+        again = any(s.should_exit for s in servers)
+        for server, task in zip(servers, tasks, strict=True):
+            server.should_exit = True
+            if again:
+                server.force_exit = True  # no more waiting for connections in flight
+                if not server.started:
+                    task.cancel()  # a startup that does not end
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
-    tasks = [loop.create_task(s.serve()) for s in servers]
     try:
         while not all(s.started for s in servers):
             if any(t.done() for t in tasks):
                 break
-            await asyncio.sleep(0.05)
-        if on_ready is not None and all(s.started for s in servers):
+            await asyncio.sleep(0.05)  # uvicorn has no started event to wait on
+        if on_ready is not None and all(s.started and not s.should_exit for s in servers):
             on_ready()
-        await asyncio.gather(*tasks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for server in servers:
+            server.should_exit = True
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        raise failed[0]

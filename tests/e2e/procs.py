@@ -67,9 +67,9 @@ def sim(tmp: Path, *extra: str, models: tuple[str, ...] = ("m1",)) -> Proc:
     return Proc(args, port, "/health", tmp / f"sim-{port}.log").start()
 
 
-def gateway(tmp: Path, config_text: str) -> Proc:
+def gateway(tmp: Path, config_text: str, *extra: str) -> Proc:
     port = free_port()
     config = tmp / f"gateway-{port}.yaml"
     config.write_text(config_text)
-    args = ["serve", "--config", str(config), "--port", str(port), "--host", "127.0.0.1"]
+    args = ["serve", "--config", str(config), "--port", str(port), "--host", "127.0.0.1", *extra]
     return Proc(args, port, "/healthz", tmp / f"gateway-{port}.log").start()

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from gateway.cli import main
+from gateway.cli import _parser, main
+from routing.ledger import USAGE_STREAM
+from tests import conftest as root
+from tests.factories import usage_record
 
 DEMO = str(Path(__file__).resolve().parents[2] / "config" / "demo.yaml")
 
@@ -35,3 +44,98 @@ def test_a_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "models.m.endpoints.0.max_concurrency" in err
+
+
+def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[Command]:
+    """Every (sub)command's parser with its words on the command line."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from commands(sub, (*path, name))
+
+
+Command = tuple[tuple[str, ...], argparse.ArgumentParser]
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    missing = [
+        (" ".join(path), action.dest)
+        for path, parser in commands(_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction)
+        and (not action.help or action.help == argparse.SUPPRESS)
+    ]
+    assert missing == []
+    assert len(list(commands(_parser()))) == 8  # the test walks the whole tree
+
+
+def test_every_command_has_help_in_its_parent_s_list() -> None:
+    for _, parser in commands(_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                listed = {choice.dest for choice in action._choices_actions}
+                assert listed == set(action.choices)
+                assert all(choice.help for choice in action._choices_actions)
+
+
+@pytest.mark.parametrize("path", [path for path, _ in commands(_parser())])
+def test_help_cites_nothing_outside_the_repo(
+    path: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*path, "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    assert "usage: gateway" in text
+    for outside in ("SPEC", "DESIGN", "../", "shared/"):
+        assert outside not in text, (path, outside)
+    if not path:
+        assert "docs/cli.md" in text
+
+
+@pytest.fixture
+def many_records() -> Iterator[int]:
+    """The stream `usage` of the run's Redis holding far more than a pipe does."""
+    client = redis.Redis.from_url(root.REDIS_URL)
+    count = 3000
+    try:
+        client.delete(USAGE_STREAM)
+        with client.pipeline(transaction=False) as pipe:
+            for n in range(count):
+                pipe.xadd(USAGE_STREAM, usage_record(request_id=f"r{n}").to_fields())  # type: ignore[arg-type]
+            pipe.execute()
+        yield count
+    finally:
+        client.delete(USAGE_STREAM)
+        client.close()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_usage_export_into_a_reader_that_leaves_early_is_quiet(
+    fmt: str, many_records: int, tmp_path: Path
+) -> None:
+    """`gateway usage export | head -1`: no traceback, no store error, SIGPIPE's status."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f'redis: {{url: "{root.REDIS_URL}"}}\n'
+        "models: {m: {endpoints: [{url: 'http://127.0.0.1:9', max_concurrency: 1}]}}\n"
+    )
+    args = ["usage", "export", "--config", str(config), "--format", fmt]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does, long before the export is written
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    errors = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert first.strip()
+    assert errors == ""
+    assert code == 128 + signal.SIGPIPE

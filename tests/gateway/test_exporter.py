@@ -272,3 +272,42 @@ async def test_records_since_over_several_batches(
     await add(usage_redis, *((f"{1000 * (i + 1)}-0", record(f"r{i}")) for i in range(6)))
     got = [r.request_id async for r in records(usage_redis, "1970-01-01T00:00:02")]
     assert got == ["r1", "r2", "r3", "r4", "r5"]
+
+
+# --- CSV cells a spreadsheet would run ---------------------------------------------------------
+
+
+def test_csv_quotes_strings_a_spreadsheet_would_run_as_formulas() -> None:
+    risky = {"eq": "=1+2", "plus": "+cmd", "minus": "-2+3", "at": "@SUM(A1)",
+             "tab": "\t=x", "cr": "\r=x"}  # fmt: skip
+    plain = {"text": "fine", "inner": "a=b", "empty": None, "neg_int": -3, "neg_float": -1.5,
+             "flag": True, "zero": 0}  # fmt: skip
+    row = {**risky, **plain}
+    out = io.StringIO()
+    assert exporter.write_rows([row], list(row), "csv", out) == 1
+    [cells] = list(csv.DictReader(io.StringIO(out.getvalue(), newline="")))
+    assert {k: cells[k] for k in risky} == {k: "'" + v for k, v in risky.items()}
+    assert {k: cells[k] for k in plain} == {
+        "text": "fine", "inner": "a=b", "empty": "", "neg_int": "-3", "neg_float": "-1.5",
+        "flag": "True", "zero": "0",
+    }  # fmt: skip
+
+
+def test_jsonl_keeps_values_as_they_are() -> None:
+    out = io.StringIO()
+    exporter.write_rows([{"user": "=1+2", "n": -1}], ["user", "n"], "jsonl", out)
+    assert jsonl(out.getvalue()) == [{"user": "=1+2", "n": -1}]
+
+
+async def test_export_csv_of_a_record_with_a_formula_for_a_user(
+    usage_redis: aioredis.Redis,
+) -> None:
+    await add(usage_redis, record("=rid", user='=HYPERLINK("http://x","y")', source="@x"))
+    _, text = await exported(usage_redis, "csv")
+    [row] = list(csv.DictReader(io.StringIO(text)))
+    assert (row["request_id"], row["user"], row["source"]) == (
+        "'=rid",
+        '\'=HYPERLINK("http://x","y")',
+        "'@x",
+    )
+    assert row["prompt_tokens"] == "100"

@@ -1,0 +1,80 @@
+"""The process's log lines: text for people or JSON for log pipelines, quiet by default.
+
+At INFO only what an operator acts on: start, stop, endpoints in and out of rotation,
+reloads, store trouble. Health probes (httpx logs one line per request) stay below it, and
+one line per request (gateway.access) only with `--access-log`. Keys, prompts and
+completions are never in a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+ACCESS_LOGGER = "gateway.access"
+FORMATS = ("text", "json")
+# Libraries that log every request they make at INFO (the health probes).
+_CHATTY = ("httpx", "httpcore")
+_TEXT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class TextFormatter(logging.Formatter):
+    """`time logger LEVEL message`, then a record's `fields` as key=value (but those it
+    names in `in_message`, already said by the message)."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            said: tuple[str, ...] = getattr(record, "in_message", ())
+            line += "".join(
+                f" {k}={v}" for k, v in fields.items() if v is not None and k not in said
+            )
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, then the record's `fields`
+    (an exception's traceback as `exc`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields: dict[str, Any] | None = getattr(record, "fields", None)
+        if fields:
+            line.update((k, v) for k, v in fields.items() if k not in line)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.stack_info:
+            line["stack"] = record.stack_info
+        return orjson.dumps(line, default=str).decode()
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler `setup` installs (and replaces when called again)."""
+
+
+def setup(fmt: str = "text", *, access_log: bool = False) -> None:
+    """Send log lines to stderr in `fmt` (text | json); per-request lines if `access_log`."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Handler)]:
+        root.removeHandler(old)
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # Python's warnings as log lines (JSON too)
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
