@@ -102,6 +102,7 @@ class Proxy:
             payload, request = parse_body(
                 await read_body(receive, headers.content_length, limit), self._schema
             )
+            payload = request.for_worker(payload)
         except ClientGone:
             return
         except GatewayError as exc:
