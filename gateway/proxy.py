@@ -196,13 +196,11 @@ class Proxy:
         )
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
+        """Counted under the model the walk stood at (none for an unknown model's 404)."""
         metrics = self._state.metrics
-        model = tier = ""
+        model = exc.model
+        tier = parsed.wanted.value if model else ""
         if isinstance(exc, RateLimited):
-            names = parsed.request.models or [parsed.request.model]
-            known = [n for n in names if self._state.registry.get(n) is not None]
-            model = known[-1] if known else ""
-            tier = parsed.wanted.value
             metrics.rejections.labels(model, tier, exc.code).inc()
         metrics.requests.labels(model, tier, str(exc.status)).inc()
 

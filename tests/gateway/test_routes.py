@@ -1,4 +1,4 @@
-"""The GET routes in process: one model object, the OpenAPI document."""
+"""The GET routes in process: one model object, the OpenAPI document, the metrics text."""
 
 from __future__ import annotations
 
@@ -157,3 +157,19 @@ async def test_openapi_request_schemas_are_the_seeds(client: httpx.AsyncClient) 
     retrieve = doc["paths"]["/v1/models/{model}"]["get"]
     assert [p["name"] for p in retrieve["parameters"]] == ["model"]
     assert {"200", "401", "404"} <= set(retrieve["responses"])
+
+
+# --- /metrics --------------------------------------------------------------------------------
+
+
+async def test_metrics_have_no_created_series_and_count_lost_records(
+    app: GatewayApp, client: httpx.AsyncClient
+) -> None:
+    await client.post("/v1/completions", json={"model": "plain"}, headers=auth(KEY))  # a 422
+    text = (await client.get("/metrics")).text
+    assert 'gateway_requests_total{code="422",model="",tier=""} 1.0' in text
+    assert "_created" not in text
+    assert "# TYPE gateway_usage_records_lost_total counter" in text
+    assert "\ngateway_usage_records_lost_total 0.0\n" in text
+    app.state.admission.spool.lost = 3  # type: ignore[union-attr]
+    assert "\ngateway_usage_records_lost_total 3.0\n" in (await client.get("/metrics")).text
