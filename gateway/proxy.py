@@ -39,6 +39,7 @@ from gateway.forward import Exchange, Hop
 from gateway.relay import Usage, error_event
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
+from gateway.trace import trace_headers
 from routing.admission import Admission, Admitted
 from routing.affinity import affinity_key, rendezvous
 from routing.endpoints import Endpoint
@@ -114,6 +115,7 @@ class Proxy:
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
+        exchange.trace = trace_headers(headers.traceparent, headers.tracestate)
         await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
 
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
