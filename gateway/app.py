@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from gateway.auth import key_from_headers
 from gateway.edge import Receive, Scope, Send, error_parts, request_id
-from gateway.errors import GatewayError, MethodNotAllowed, NotFound
+from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import build_openapi
 from gateway.proxy import Proxy
@@ -64,6 +64,8 @@ class GatewayApp:
 
         routes = [
             Route("/v1/models", self._models, methods=["GET"]),
+            # `path`: model names hold slashes (meta-llama/Llama-2-70b-chat-hf).
+            Route("/v1/models/{model:path}", self._model, methods=["GET"]),
             Route("/healthz", self._healthz, methods=["GET"]),
             Route("/readyz", self._readyz, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
@@ -76,16 +78,28 @@ class GatewayApp:
         return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
 
     async def _models(self, request: Request) -> Response:
+        allowed = await self._allowed_models(request)
+        data = [_model_object(name) for name in allowed]
+        return _json({"object": "list", "data": data}, request)
+
+    async def _model(self, request: Request) -> Response:
+        """One model object; unknown and not-allowed look alike (404), as on the POSTs."""
+        name: str = request.path_params["model"]
+        if name not in await self._allowed_models(request):
+            shown = repr(name[:256])
+            raise ModelNotFound(
+                f"The model {shown} does not exist or is not available to this key."
+            )
+        return _json(_model_object(name), request)
+
+    async def _allowed_models(self, request: Request) -> list[str]:
+        """The configured models this request's key may use (401 without a valid key)."""
         h = request.headers
         account = await self.state.keys.authenticate(
             key_from_headers(h.get("authorization"), h.get("x-api-key"), h.get("xi-api-key"))
         )
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "gateway"}
-            for name in self.state.registry.names()
-            if account.models is None or name in account.models
-        ]
-        return _json({"object": "list", "data": data}, request)
+        names = self.state.registry.names()
+        return [n for n in names if account.models is None or n in account.models]
 
     async def _healthz(self, request: Request) -> Response:
         return _json({"status": "ok"}, request)
@@ -125,6 +139,10 @@ class GatewayApp:
         if exc.status_code == 405:
             return await self._gateway_error(request, MethodNotAllowed("Method not allowed."))
         return await self._gateway_error(request, NotFound(f"No route {request.url.path[:200]}."))
+
+
+def _model_object(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "gateway"}
 
 
 def _json(payload: object, request: Request, status: int = 200) -> Response:

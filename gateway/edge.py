@@ -42,6 +42,8 @@ class RequestHeaders:
     service_tier: str | None = None
     source: str | None = None
     content_length: str | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 _WANTED = {
@@ -52,6 +54,8 @@ _WANTED = {
     b"x-deepinfra-service-tier": "service_tier",
     b"x-deepinfra-source": "source",
     b"content-length": "content_length",
+    b"traceparent": "traceparent",
+    b"tracestate": "tracestate",
 }
 
 
@@ -60,7 +64,12 @@ def read_headers(scope: Scope) -> RequestHeaders:
     for name, value in scope["headers"]:
         attr = _WANTED.get(name)
         if attr is not None:
-            setattr(found, attr, value.decode("latin-1"))
+            text = value.decode("latin-1")
+            if attr == "tracestate" and found.tracestate is not None:
+                text = f"{found.tracestate},{text}"  # W3C: repeated headers are one list
+            elif attr == "traceparent" and found.traceparent is not None:
+                text = ""  # W3C: two traceparents are no trace context (dropped)
+            setattr(found, attr, text)
     return found
 
 

@@ -17,6 +17,8 @@ class GatewayError(Exception):
     status: int = 500
     type: str = "api_error"
     code: str = "internal_error"
+    # The configured model the error concerns, once known (a metric label; never caller text).
+    model: str = ""
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.edge import ClientGone, Send, send_error, send_json
 from gateway.errors import GatewayError, ServiceUnavailable, UpstreamBroken, UpstreamUnavailable
@@ -37,6 +37,8 @@ class Exchange:
     first_byte: float | None = None
     # The caller disconnected (a cancellation then is theirs, not the server's shutdown).
     caller_gone: bool = False
+    # The caller's trace context, checked (gateway/trace.py), for the worker.
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 class Hop:
@@ -123,7 +125,7 @@ class Hop:
             raise
 
     async def _post(self, endpoint: Endpoint) -> UpstreamResponse:
-        headers = _worker_headers(endpoint, self._exchange.rid)
+        headers = _worker_headers(endpoint, self._exchange)
         url = endpoint.url + self._path
         return await self._state.upstream.post(url, self._body_for(endpoint), headers)
 
@@ -203,8 +205,11 @@ class Hop:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _worker_headers(endpoint: Endpoint, rid: str) -> dict[str, str]:
-    headers = {"content-type": "application/json", "x-request-id": rid}
+def _worker_headers(endpoint: Endpoint, exchange: Exchange) -> dict[str, str]:
+    """The worker sees the id the caller gets back (vLLM takes it as its request id) and
+    the caller's trace context: one id and one trace from client to GPU."""
+    headers = {"content-type": "application/json", "x-request-id": exchange.rid}
+    headers.update(exchange.trace)
     if endpoint.config.api_key:
         headers["authorization"] = f"Bearer {endpoint.config.api_key}"
     return headers

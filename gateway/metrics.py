@@ -6,9 +6,15 @@ sets (status codes, 429 reasons), never from request text, so cardinality stays 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -26,6 +32,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 class Metrics:
     def __init__(self, background_errors: Mapping[str, int] | None = None) -> None:
+        # No `_created` twin per counter and histogram: it doubles the series and no
+        # dashboard reads it. A process-wide switch of prometheus_client, set here with the
+        # registry so that every /metrics this process renders is without them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         # Counted where the loops run (routing/background.py), read at scrape time.
@@ -76,8 +86,14 @@ class Metrics:
         self.usage_spooled = Gauge(
             "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.", registry=r
         )
-        self.usage_lost = Gauge(
-            "gateway_usage_records_lost", "Usage records this process could not keep.", registry=r
+        # Read at scrape time from the spool's own count (GatewayState.render_metrics).
+        self.usage_lost = 0
+        r.register(
+            _Total(
+                "gateway_usage_records_lost",
+                "Usage records this process could not keep.",
+                lambda: self.usage_lost,
+            )
         )
         self.usage_bad_lines = Gauge(
             "gateway_usage_spool_bad_lines", "Unreadable spool lines this process set aside.",
@@ -123,3 +139,20 @@ class _BackgroundErrors(Collector):
         yield CounterMetricFamily(
             "gateway_background_errors", "Background rounds that failed.", labels=["task"]
         )
+
+
+class _Total(Collector):
+    """A counter whose value lives elsewhere (a count kept by routing/), read at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation)
+        family.add_metric([], self._read())
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation)

@@ -112,8 +112,96 @@ def _post(summary: str, operation: str, schema_name: str) -> dict[str, Any]:
     }
 
 
+_MODEL_OBJECT: dict[str, Any] = {
+    "type": "object",
+    "title": "Model",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string", "const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+    },
+}
+_MODEL_LIST: dict[str, Any] = {
+    "type": "object",
+    "title": "ModelList",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"type": "string", "const": "list"},
+        "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
+    },
+}
+_STATUS: dict[str, Any] = {
+    "type": "object",
+    "title": "Status",
+    "required": ["status"],
+    "properties": {"status": {"type": "string"}, "reason": {"type": "string"}},
+}
+
+
+def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _get(summary: str, operation: str, ok: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """A GET operation answering 200 with `ok` (a response object), plus `more` fields."""
+    return {"get": {"summary": summary, "operationId": operation, "responses": {"200": ok}, **more}}
+
+
+def _models_paths() -> dict[str, Any]:
+    keyed: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
+    listed = _get(
+        "List the models this key may use",
+        "list_models",
+        {"description": "OpenAI list object", "content": _json_content(_ref("ModelList"))},
+        **keyed,
+    )
+    listed["get"]["responses"]["401"] = _error("Missing or unknown API key")
+    one = _get(
+        "One model this key may use",
+        "retrieve_model",
+        {"description": "OpenAI model object", "content": _json_content(_ref("Model"))},
+        parameters=[
+            {
+                "name": "model",
+                "in": "path",
+                "required": True,
+                "description": "The model name; it may hold slashes (`org/name`).",
+                "schema": {"type": "string"},
+            }
+        ],
+        **keyed,
+    )
+    one["get"]["responses"]["401"] = _error("Missing or unknown API key")
+    one["get"]["responses"]["404"] = _error("Unknown model, or not available to this key")
+    return {"/v1/models": listed, "/v1/models/{model}": one}
+
+
+def _ops_paths() -> dict[str, Any]:
+    status = {"description": "OK", "content": _json_content(_ref("Status"))}
+    ready = _get("Readiness: Redis answers, every model has a healthy endpoint", "readyz", status)
+    ready["get"]["responses"]["503"] = {
+        "description": "Not ready; `reason` says why",
+        "content": _json_content(_ref("Status")),
+    }
+    metrics = {"description": "Prometheus text format", "content": {"text/plain": {}}}
+    document = {"description": "This document", "content": _json_content({"type": "object"})}
+    return {
+        "/healthz": _get("Liveness: 200 while the process serves", "healthz", status),
+        "/readyz": ready,
+        "/metrics": _get("Prometheus metrics", "metrics", metrics),
+        "/openapi.json": _get("The gateway's OpenAPI document", "openapi", document),
+    }
+
+
 def build_openapi(completions: type[BaseModel], chat: type[BaseModel]) -> dict[str, Any]:
     schemas: dict[str, Any] = dict(_VALIDATION_SCHEMAS)
+    schemas.update(Model=_MODEL_OBJECT, ModelList=_MODEL_LIST, Status=_STATUS)
     for name, model in (("OpenAICompletionsIn", completions), ("OpenAIChatCompletionsIn", chat)):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
@@ -127,6 +215,8 @@ def build_openapi(completions: type[BaseModel], chat: type[BaseModel]) -> dict[s
             "/v1/chat/completions": _post(
                 "Chat Completions", "chat_completions", "OpenAIChatCompletionsIn"
             ),
+            **_models_paths(),
+            **_ops_paths(),
         },
         "components": {
             "schemas": schemas,

@@ -41,6 +41,7 @@ from gateway.forward import Exchange, Hop
 from gateway.relay import Usage, error_event
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
+from gateway.trace import trace_headers
 from routing.admission import Admission, Admitted
 from routing.affinity import affinity_key, rendezvous
 from routing.endpoints import Endpoint
@@ -115,6 +116,7 @@ class Proxy:
             payload, request = parse_body(
                 await read_body(receive, headers.content_length, limit), self._schema
             )
+            payload = request.for_worker(payload)
         except ClientGone:
             return
         except GatewayError as exc:
@@ -126,6 +128,7 @@ class Proxy:
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
         exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
+        exchange.trace = trace_headers(headers.traceparent, headers.tracestate)
         await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
 
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
@@ -208,13 +211,11 @@ class Proxy:
         )
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
+        """Counted under the model the walk stood at (none for an unknown model's 404)."""
         metrics = self._state.metrics
-        model = tier = ""
+        model = exc.model
+        tier = parsed.wanted.value if model else ""
         if isinstance(exc, RateLimited):
-            names = parsed.request.models or [parsed.request.model]
-            known = [n for n in names if self._state.registry.get(n) is not None]
-            model = known[-1] if known else ""
-            tier = parsed.wanted.value
             metrics.rejections.labels(model, tier, exc.code).inc()
         metrics.requests.labels(model, tier, str(exc.status)).inc()
         if parsed.note is not None:

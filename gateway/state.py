@@ -182,7 +182,7 @@ class GatewayState:
         spool = self.admission.spool
         if spool is not None:
             m.usage_spooled.set(spool.size_bytes())
-            m.usage_lost.set(spool.lost)
+            m.usage_lost = spool.lost
             m.usage_bad_lines.set(spool.bad_lines)
             if spool.stream is not None:
                 m.usage_stream_length.set(spool.stream.length)

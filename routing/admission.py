@@ -71,6 +71,8 @@ class _Walk:
     affinity: Callable[[Model], Sequence[str] | None] | None
     # Whether the account's count holds an entry for this walk (taken with the first try).
     has_account: bool = False
+    # The candidate being tried: an error out of the walk concerns it (its metric label).
+    at: str = ""
 
 
 class Admission:
@@ -136,9 +138,13 @@ class Admission:
         lease_id = f"{self.replica_id}-{next(self._ids)}"
         walk = _Walk(lease_id, account, account_key(account), account_limit, affinity)
         try:
-            return await self._walk(walk, candidates, tier_of, self._clock())
-        except STORE_ERRORS as exc:
-            return self._outage(candidates, tier_of, walk, exc)
+            try:
+                return await self._walk(walk, candidates, tier_of, self._clock())
+            except STORE_ERRORS as exc:
+                return self._outage(candidates, tier_of, walk, exc)
+        except GatewayError as exc:
+            exc.model = exc.model or walk.at
+            raise
         finally:
             self.holdings.waiters.pop(lease_id, None)
             if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
@@ -153,7 +159,7 @@ class Admission:
     ) -> Admitted:
         last: GatewayError | None = None
         for cand in candidates:
-            tier = tier_of(cand.model)
+            tier, walk.at = tier_of(cand.model), cand.model.name
             if self.slots[cand.model.name].capacity == 0:
                 last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
                 continue
@@ -302,6 +308,7 @@ class Admission:
         last: GatewayError | None = None
         for cand in candidates:
             tier, model = tier_of(cand.model), cand.model.name
+            walk.at = model
             if self.local.limit(model) == 0:
                 last = ServiceUnavailable(
                     f"Redis is unreachable and this replica's share of {model!r} is 0 "

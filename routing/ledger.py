@@ -180,7 +180,8 @@ class UsageSpool:
         return self.lose(rid, f"full ({self.max_bytes} bytes with those of gone processes)")
 
     def lose(self, rid: str, why: str) -> bool:
-        """A record that could not be kept: counted (gateway_usage_records_lost) and logged."""
+        """A record that could not be kept: counted (gateway_usage_records_lost_total) and
+        logged."""
         self.lost += 1
         log.error("usage spool %s: record %s lost", why, rid)
         return False

@@ -265,3 +265,8 @@ class GatewayRequest(BaseModel):
             "token. Intended for benchmarking."
         ),
     )
+
+    def for_worker(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The caller's body as workers should see it; a route whose schema accepts a
+        shape the seed does not (completions' one-string prompt list) rewrites it here."""
+        return payload

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictInt, Tag
+from pydantic import BeforeValidator, ConfigDict, Field, StrictInt, Tag
+from pydantic_core import PydanticCustomError
 
 from gateway.schemas.common import GatewayRequest, OpenModel, TokenId, by_shape
+
+_ONE_PROMPT = (
+    "Input should be one prompt per request: a string, a list holding one string, or a list "
+    "of token ids"
+)
+
+
+def _one_prompt(value: Any) -> Any:
+    """A list holding one string is that string (LangChain's completions client sends one);
+    a list of several strings, or of lists, is a batch: one prompt per request."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        if len(value) == 1 and isinstance(value[0], str):
+            return value[0]
+        raise PydanticCustomError("one_prompt", _ONE_PROMPT)
+    return value
+
 
 Prompt = Annotated[
     Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list")],
     by_shape("a string or a list of token ids"),
+    BeforeValidator(_one_prompt),
 ]
 
 
@@ -28,9 +46,13 @@ class CompletionMultiModalData(OpenModel):
 class CompletionRequest(GatewayRequest):
     model_config = ConfigDict(title="OpenAICompletionsIn")
 
-    # A list of strings (a batch of prompts) is refused: the seed accepts one prompt, given
-    # as text or as token ids, and token ids must be real integers, not numeric strings.
-    prompt: Prompt = Field(description="input prompt - a single string or a list of token ids")
+    # One prompt per request, as the seed has it: text or token ids (real integers, not
+    # numeric strings). A list of one string is accepted as that string, and forwarded so.
+    prompt: Prompt = Field(
+        description=(
+            "input prompt - a single string (or a list holding one string) or a list of token ids"
+        )
+    )
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = Field(
         default=None, description="return top tokens and their log-probabilities"
     )
@@ -41,3 +63,9 @@ class CompletionRequest(GatewayRequest):
             "data URIs (e.g. 'data:image/png;base64,...')."
         ),
     )
+
+    def for_worker(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The caller's body with a one-string list prompt as the string the seed expects."""
+        if isinstance(self.prompt, str) and not isinstance(payload.get("prompt"), str):
+            return {**payload, "prompt": self.prompt}
+        return payload

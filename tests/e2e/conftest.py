@@ -18,6 +18,7 @@ from tests.e2e import procs
 
 KEY = "sk-test-acme"
 KEY_LIMITED = "sk-test-limited"  # may use m1 only, and never priority
+SLASHED = "demo/llama-3-8b"
 
 
 def digest(key: str) -> str:
@@ -56,6 +57,10 @@ models:
   misnamed:
     endpoints:
       - {{url: "{fast[0].url}", max_concurrency: 1, model: not-served-here}}
+  # A name with a slash, as real ones have (org/model): routes and SDKs must cope.
+  {SLASHED}:
+    endpoints:
+      - {{url: "{fast[0].url}", max_concurrency: 2, model: m1}}
 keys:
   - {{sha256: "{digest(KEY)}", account: acme}}
   - {{sha256: "{digest(KEY_LIMITED)}", account: limited, models: [m1], tiers: [flex]}}

@@ -114,7 +114,8 @@ def test_worker_404_is_a_502_envelope(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/models", "/nope"]
+    "path",
+    ["/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/models", "/v1/models/m1", "/nope"],
 )
 def test_every_response_has_a_request_id(http: httpx.Client, path: str) -> None:
     assert len(http.get(path).headers["x-request-id"]) == 32

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import KEY_LIMITED, Fleet, Sdk
+from tests.e2e.conftest import KEY_LIMITED, SLASHED, Fleet, Sdk
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_streamed_chat_alias_model(client: openai.OpenAI) -> None:
 
 def test_models_list_follows_the_key(fleet: Fleet, sdk: Sdk) -> None:
     full = sdk(fleet.base_url).models.list()
-    assert {m.id for m in full.data} == {"m1", "m2", "slow", "misnamed"}
+    assert {m.id for m in full.data} == {"m1", "m2", "slow", "misnamed", SLASHED}
     limited = sdk(fleet.base_url, KEY_LIMITED).models.list()
     assert [m.id for m in limited.data] == ["m1"]
 

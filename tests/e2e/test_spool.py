@@ -149,8 +149,8 @@ def test_two_gateways_on_one_host_keep_their_records_apart(
     wait_for(lambda: metric(gw_a, "gateway_usage_spool_bytes") == 0, "A's spool to empty")
     assert recorded(redis_a) == Counter(sent_a)  # each exactly once, none of B's
     assert recorded(redis_b) == Counter(sent_b)
-    assert metric(gw_a, "gateway_usage_records_lost") == 0
-    assert metric(gw_b, "gateway_usage_records_lost") == 0
+    assert metric(gw_a, "gateway_usage_records_lost_total") == 0
+    assert metric(gw_b, "gateway_usage_records_lost_total") == 0
 
 
 def test_a_restarted_gateway_sends_what_its_predecessor_left(
@@ -209,7 +209,7 @@ def test_records_wait_while_redis_is_full_and_arrive_once(
         # Their releases carried the records: refused (OOM), so spooled, not lost.
         wait_for(lambda: metric(gateway, "gateway_usage_spool_bytes") > 0, "the records spooled")
         assert recorded(small) == Counter()
-        assert metric(gateway, "gateway_usage_records_lost") == 0
+        assert metric(gateway, "gateway_usage_records_lost_total") == 0
 
         client.delete(*(f"filler:{i}" for i in range(1, FILLERS + 1)))
     wait_for(lambda: recorded(small) == Counter(rids), "the records once Redis has room")

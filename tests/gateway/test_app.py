@@ -132,6 +132,27 @@ def test_non_stream_is_rewritten(loop: asyncio.AbstractEventLoop) -> None:
     assert "authorization" not in headers
 
 
+def test_a_one_string_prompt_list_goes_on_as_the_string(loop: asyncio.AbstractEventLoop) -> None:
+    """LangChain's completions client sends `prompt: ["..."]`; the worker sees the seed's
+    shape (a string), other fields untouched."""
+    app, upstream = make_app()
+    resp = post(loop, app, "/v1/completions", b'{"model": "m1", "prompt": ["say hi"], "x": 1}')
+    assert resp.status_code == 200, resp.text
+    assert upstream.sent[-1][1] == {"model": "m1", "prompt": "say hi", "x": 1}
+
+
+def test_a_batch_of_prompts_is_a_422_naming_prompt(loop: asyncio.AbstractEventLoop) -> None:
+    app, upstream = make_app()
+    resp = post(loop, app, "/v1/completions", b'{"model": "m1", "prompt": ["a", "b"]}')
+    assert resp.status_code == 422
+    body = resp.json()
+    assert body["detail"][0]["loc"] == ["body", "prompt"]
+    assert body["error"]["param"] == "prompt"
+    assert body["error"]["message"].startswith("prompt: ")
+    assert "one prompt per request" in body["error"]["message"]
+    assert upstream.sent == []
+
+
 def test_stream_split_in_odd_chunks_is_whole(loop: asyncio.AbstractEventLoop) -> None:
     app, _ = make_app()
     resp = post(loop, app, "/v1/completions", b'{"model": "m1", "prompt": "x", "stream": true}')

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway import proxy
 from routing.ledger import USAGE_STREAM
@@ -201,6 +202,39 @@ async def test_failure_before_admission_is_a_500_not_counted_as_admitted(
     assert await records(app, rid) == []
     assert await leases_left(app) == 0
     assert requests_counted(app, "", "", "500") == 1
+
+
+# --- metric labels of requests turned away ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("models", "counted"), [(None, "m1"), (["m2", "m1"], "m2")])
+async def test_an_admission_store_outage_is_a_503_counted_under_the_model_tried(
+    monkeypatch: pytest.MonkeyPatch, models: list[str] | None, counted: str
+) -> None:
+    app, upstream = make_app()
+
+    def down(*_: Any) -> asyncio.Future[list[Any]]:
+        failed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        failed.set_exception(RedisConnectionError("connection refused"))
+        return failed
+
+    monkeypatch.setattr(app.state.admission.scripts, "submit", down)
+    extra = b"" if models is None else b', "models": ' + orjson.dumps(models)
+    resp = await send(app, BASE + extra + b"}", uuid.uuid4().hex)
+    assert resp.status_code == 503, resp.text
+    assert upstream.sent == []
+    # The walk stops at the first model (on_outage: reject): that is the one counted.
+    assert requests_counted(app, counted, "default", "503") == 1
+    assert requests_counted(app, "", "", "503") == 0
+
+
+async def test_an_unknown_model_is_a_404_counted_without_a_model() -> None:
+    app, _ = make_app()
+    resp = await send(
+        app, b'{"model": "no-such", "messages": [{"role": "user", "content": "x"}]}', "r"
+    )
+    assert resp.status_code == 404
+    assert requests_counted(app, "", "", "404") == 1
 
 
 # --- fuzz through the whole app -------------------------------------------------------------

@@ -174,6 +174,28 @@ def test_minimal_bodies_get_seed_defaults(model: type[BaseModel]) -> None:
     assert (req.stream, req.fail_fast, req.models, req.service_tier) == (False, False, None, None)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "seen"),
+    [("hi", "hi"), (["hi"], "hi"), ([""], ""), ([1, 2], [1, 2]), ([], [])],
+)
+def test_one_prompt_as_text_one_string_list_or_token_ids(prompt: Any, seen: Any) -> None:
+    body = completion_body() | {"prompt": prompt}
+    req = CompletionRequest.model_validate(body)
+    assert req.prompt == seen
+    # The worker sees the seed's shape: a one-string list goes on as its string.
+    assert req.for_worker(body) == body | {"prompt": seen}
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [["a"]], [[1, 2]], ["a"] * 3, ["a", 1]])
+def test_a_batch_of_prompts_is_one_prompt_per_request(prompt: Any) -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(completion_body() | {"prompt": prompt})
+    [error] = info.value.errors()
+    assert error["loc"] == ("prompt",)
+    assert error["type"] == "one_prompt"
+    assert "one prompt per request" in error["msg"]
+
+
 @pytest.mark.parametrize("tier", ["default", "priority", "flex", "auto", "standard_only", None])
 def test_service_tier_values(tier: str | None) -> None:
     assert CompletionRequest.model_validate(completion_body() | {"service_tier": tier})
@@ -257,7 +279,10 @@ SHARED_BAD: list[tuple[str, Any]] = [
 
 COMPLETION_BAD: list[tuple[str, Any]] = [
     ("prompt", ["a", "b"]),
-    ("prompt", ["1"]),
+    ("prompt", [["1"]]),
+    ("prompt", ["a", 1]),
+    ("prompt", [1, "a"]),
+    ("prompt", ["1", "2"]),
     ("prompt", 5),
     ("prompt", None),
     ("logprobs", -1),
