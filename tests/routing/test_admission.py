@@ -806,7 +806,10 @@ async def test_randomized_concurrent_requests_never_exceed_capacity(
     assert sum(outcomes.values()) == 200
     assert outcomes["admitted"] > 0
     assert codes["concurrency_limit"] > 0
-    assert most["two"] == capacity["two"]  # the test did reach the ceiling
+    # The test did press on a model's capacity: some request met it full, or the tracker saw
+    # it full (which one depends on the machine's speed, not on the code).
+    busy = {"model_busy", "flex_no_capacity", "queue_full", "queue_timeout"}
+    assert busy & set(codes) or most["two"] == capacity["two"], (codes, most)
     assert all(v == 0 for v in inflight.values())
     for adm in replicas:
         assert adm.held == {}
