@@ -89,8 +89,13 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.server import serve
     from gateway.state import GatewayState
+    from routing.store import start_problem
 
     config = load_config(args.config)
+    # A store that will never serve (wrong password, ACL, TLS, not a master) stops the start.
+    if (problem := start_problem(config.redis.url, config.redis.command_timeout_s)) is not None:
+        print(f"gateway: {problem.text}", file=sys.stderr)
+        return 2
     host = args.host or config.listen.host
     port = args.port or config.listen.port
     log.info("serving %d models on %s:%d", len(config.models), host, port)

@@ -18,7 +18,8 @@ from routing.health import Health
 from routing.keeper import Keeper
 from routing.ledger import UsageSpool
 from routing.registry import Registry
-from routing.store import connect, script_store, subscriber
+from routing.store import connect, probe, script_store, subscriber
+from routing.storeerrors import StoreErrors
 from routing.upstream import Upstream
 
 log = logging.getLogger("gateway")
@@ -46,8 +47,10 @@ class GatewayState:
         )
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
-        self.keys = KeyStore(config.keys, self.redis)
-        self.background_errors = BackgroundErrors()
+        # Store errors of every part, logged by cause once a minute; /readyz reads it too.
+        self.store_errors = StoreErrors()
+        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
+        self.background_errors = BackgroundErrors(self.store_errors)
         self.admission, self.keeper = self._admission(
             min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         )
@@ -71,6 +74,7 @@ class GatewayState:
             spool=UsageSpool(self.config.usage, redis.url),
             sweep_interval_s=sweep_interval_s,
             command_timeout_s=redis.command_timeout_s,
+            store_errors=self.store_errors,
         )
         keeper = Keeper(
             admission,
@@ -120,6 +124,16 @@ class GatewayState:
             return "no healthy endpoint for " + ", ".join(down[:10])
         return None
 
+    async def store_unready(self) -> str | None:
+        """Why the store cannot serve this replica now (SPEC 1, /readyz), or None: the live
+        probe's cause, else a misconfiguration that refused a request lately."""
+        cause = await probe(self.redis, self.config.redis.command_timeout_s)
+        if cause is not None:
+            self.store_errors.note(cause, "readyz")
+        else:
+            cause = self.store_errors.refusal()
+        return cause.text if cause is not None else None
+
     async def start(self) -> None:
         await self.upstream.start()
         await self.admission.start()
@@ -146,7 +160,7 @@ class GatewayState:
         self.pools.apply(
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )
-        self.keys = KeyStore(config.keys, self.redis)
+        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
         self.admission.apply(self.registry, config.tiers)
         previous = self.health
         self.health = self._new_health()
