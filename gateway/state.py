@@ -18,7 +18,8 @@ from routing.health import Health
 from routing.keeper import Keeper
 from routing.ledger import UsageSpool
 from routing.registry import Registry
-from routing.store import connect, probe, script_store, subscriber
+from routing.scripts import Scripts
+from routing.store import call_timeout, connect, probe, script_store, subscriber
 from routing.storeerrors import StoreErrors
 from routing.upstream import Upstream
 
@@ -42,6 +43,7 @@ class GatewayState:
         self.registry = Registry(config.models)
         self.pools = Pools(self.registry)
         timeout_s = config.redis.command_timeout_s
+        self._call_timeout_s = call_timeout(config.redis.url, timeout_s)
         self.redis = (
             redis if redis is not None else connect(config.redis.url, command_timeout_s=timeout_s)
         )
@@ -75,14 +77,16 @@ class GatewayState:
             sweep_interval_s=sweep_interval_s,
             command_timeout_s=redis.command_timeout_s,
             store_errors=self.store_errors,
+            scripts=Scripts(self._call_timeout_s),
         )
         keeper = Keeper(
             admission,
             subscriber(redis.url, self.redis),
             sweep_interval_s,
             self.background_errors,
-            # A round never waits on a stall: its calls fail at the command timeout.
-            round_timeout_s=2 * redis.command_timeout_s + 1,
+            # A round never waits on a stall: its calls fail at the command timeout
+            # (memory:// has none: it cannot stall apart from this process).
+            round_timeout_s=2 * self._call_timeout_s + 1 if self._call_timeout_s else None,
         )
         return admission, keeper
 
@@ -127,7 +131,7 @@ class GatewayState:
     async def store_unready(self) -> str | None:
         """Why the store cannot serve this replica now (SPEC 1, /readyz), or None: the live
         probe's cause, else a misconfiguration that refused a request lately."""
-        cause = await probe(self.redis, self.config.redis.command_timeout_s)
+        cause = await probe(self.redis, self._call_timeout_s)
         if cause is not None:
             self.store_errors.note(cause, "readyz")
         else:

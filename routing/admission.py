@@ -87,11 +87,12 @@ class Admission:
         sweep_interval_s: float = 1.0,
         command_timeout_s: float = 2.0,
         store_errors: StoreErrors | None = None,
+        scripts: Scripts | None = None,
     ) -> None:
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
         self.spool = spool
-        self.scripts = Scripts(command_timeout_s)
+        self.scripts = scripts if scripts is not None else Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
         self.on_outage = on_outage

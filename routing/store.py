@@ -7,11 +7,19 @@ import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import NoScriptError, RedisError
 
 from routing.resp import RespClient, keepalive_options
 from routing.storeerrors import Cause, cause_of
 
+# redis-py connections per process. The hot path of redis:// and unix:// needs none (one
+# pipelining connection); rediss:// runs admission through this pool, and a call finding all
+# of them busy waits for one (within the command timeout) instead of failing as an outage.
+MAX_CONNECTIONS = 512
+# memory://: connections are objects in this process, so none is ever refused (redis-py's
+# default pool refuses the 101st at once, which read as an outage in the demo).
+UNBOUNDED = 2**31
 # A script that cannot exist: running it answers NOSCRIPT where scripts may run.
 PROBE_SHA = "0" * 40
 
@@ -22,11 +30,20 @@ def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
     if url.startswith("memory://"):
         import fakeredis
 
-        client: Any = fakeredis.FakeAsyncRedis()
+        client: Any = fakeredis.FakeAsyncRedis(max_connections=UNBOUNDED)
         return client  # type: ignore[no-any-return]
-    return aioredis.Redis.from_url(
-        url, max_connections=512, **_options(socket_timeout=command_timeout_s)
-    )
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=command_timeout_s,
+        **_options(socket_timeout=command_timeout_s),
+    )  # fmt: skip
+    return aioredis.Redis.from_pool(pool)
+
+
+def call_timeout(url: str, command_timeout_s: float) -> float | None:
+    """How long a store call may take before it counts as an outage. memory:// lives in this
+    process and cannot stall on its own: a wait for it is a wait for this process's CPU
+    (a thousand requests at once take longer than a timeout), never an outage."""
+    return None if url.startswith("memory://") else command_timeout_s
 
 
 def script_store(
@@ -58,7 +75,7 @@ def _options(*, socket_timeout: float | None) -> dict[str, Any]:
     }
 
 
-async def probe(client: aioredis.Redis, timeout_s: float) -> Cause | None:
+async def probe(client: aioredis.Redis, timeout_s: float | None) -> Cause | None:
     """Why the gateway cannot use this store now, or None. One round trip: connecting
     tests the password and the TLS certificate; ROLE tells a Sentinel or a replica from a
     master; running a script that does not exist answers NOSCRIPT where this user may run
@@ -70,7 +87,7 @@ async def probe(client: aioredis.Redis, timeout_s: float) -> Cause | None:
             pipe.execute_command("EVALSHA", PROBE_SHA, 0)
             role, script = await pipe.execute(raise_on_error=False)
     except TimeoutError:
-        return Cause("timeout", f"redis: no answer within {timeout_s:g} s")
+        return Cause("timeout", f"redis: no answer within {timeout_s or 0:g} s")
     except (RedisError, OSError) as exc:
         return cause_of(exc)
     return _not_master(role) or _refused(script)
