@@ -8,12 +8,10 @@ through a small Starlette app.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import orjson
-from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -106,14 +104,9 @@ class GatewayApp:
 
     async def _readyz(self, request: Request) -> Response:
         """docs/api.md: 503 with the reason while draining, while a model has no healthy
-        endpoint, or while Redis does not answer within the command timeout."""
-        reason = self.state.unready()
-        if reason is None:
-            try:
-                async with asyncio.timeout(self.state.config.redis.command_timeout_s):
-                    await self.state.redis.ping()
-            except (RedisError, OSError, TimeoutError):
-                reason = "store (redis) unreachable"
+        endpoint, or while Redis does not answer within the command timeout or cannot serve
+        (the cause: "redis: WRONGPASS ...", "redis: not a master (sentinel)")."""
+        reason = self.state.unready() or await self.state.store_unready()
         if reason is not None:
             return _json({"status": "unavailable", "reason": reason}, request, 503)
         return _json({"status": "ready"}, request)

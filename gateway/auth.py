@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
 from gateway.settings import KeyConfig, digest_key
+from routing.storeerrors import StoreErrors
 from tiers.policy import Tier
 
 KEYS_HASH = "gw:keys"
@@ -76,6 +77,7 @@ class KeyStore:
         negative_ttl_s: float = 2.0,
         max_cached: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        store_errors: StoreErrors | None = None,
     ) -> None:
         self._configured = {k.sha256: account_from_config(k) for k in configured}
         self._redis = redis
@@ -84,6 +86,7 @@ class KeyStore:
         self._max_cached = max_cached
         self._clock = clock
         self._cache: OrderedDict[str, tuple[float, Account | None]] = OrderedDict()
+        self._store_errors = store_errors if store_errors is not None else StoreErrors()
 
     async def authenticate(self, key: str | None) -> Account:
         if not key or len(key) > 512:
@@ -104,6 +107,7 @@ class KeyStore:
         try:
             raw = await self._redis.hget(KEYS_HASH, digest)
         except RedisError as exc:
+            self._store_errors.report(exc, "keys", refused=True)
             raise ServiceUnavailable("The key store is unreachable; try again shortly.") from exc
         account = _account_from_record(digest, raw) if raw is not None else None
         ttl = self._ttl if account is not None else self._negative_ttl

@@ -155,9 +155,14 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.server import serve
     from gateway.state import GatewayState
+    from routing.store import start_problem
 
     config = load_config(args.config)
     setup_logs(args.log_format, access_log=args.access_log)
+    # A store that will never serve (wrong password, ACL, TLS, not a master) stops the start.
+    if (problem := start_problem(config.redis.url, config.redis.command_timeout_s)) is not None:
+        print(f"gateway: {problem.text}", file=sys.stderr)
+        return 2
     host = args.host or config.listen.host
     port = config.listen.port if args.port is None else args.port
     sock = listen(host, port)

@@ -18,7 +18,9 @@ from routing.health import Health
 from routing.keeper import Keeper
 from routing.ledger import UsageSpool
 from routing.registry import Registry
-from routing.store import connect, script_store, subscriber
+from routing.scripts import Scripts
+from routing.store import call_timeout, connect, probe, script_store, subscriber
+from routing.storeerrors import StoreErrors
 from routing.upstream import Upstream
 
 log = logging.getLogger("gateway")
@@ -41,13 +43,16 @@ class GatewayState:
         self.registry = Registry(config.models)
         self.pools = Pools(self.registry)
         timeout_s = config.redis.command_timeout_s
+        self._call_timeout_s = call_timeout(config.redis.url, timeout_s)
         self.redis = (
             redis if redis is not None else connect(config.redis.url, command_timeout_s=timeout_s)
         )
         capacity = sum(m.capacity for m in self.registry)
         self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
-        self.keys = KeyStore(config.keys, self.redis)
-        self.background_errors = BackgroundErrors()
+        # Store errors of every part, logged by cause once a minute; /readyz reads it too.
+        self.store_errors = StoreErrors()
+        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
+        self.background_errors = BackgroundErrors(self.store_errors)
         self.admission, self.keeper = self._admission(
             min(sweep_interval_s, config.redis.lease_ttl_s / 4)
         )
@@ -71,14 +76,17 @@ class GatewayState:
             spool=UsageSpool(self.config.usage, redis.url),
             sweep_interval_s=sweep_interval_s,
             command_timeout_s=redis.command_timeout_s,
+            store_errors=self.store_errors,
+            scripts=Scripts(self._call_timeout_s),
         )
         keeper = Keeper(
             admission,
             subscriber(redis.url, self.redis),
             sweep_interval_s,
             self.background_errors,
-            # A round never waits on a stall: its calls fail at the command timeout.
-            round_timeout_s=2 * redis.command_timeout_s + 1,
+            # A round never waits on a stall: its calls fail at the command timeout
+            # (memory:// has none: it cannot stall apart from this process).
+            round_timeout_s=2 * self._call_timeout_s + 1 if self._call_timeout_s else None,
         )
         return admission, keeper
 
@@ -120,6 +128,16 @@ class GatewayState:
             return "no healthy endpoint for " + ", ".join(down[:10])
         return None
 
+    async def store_unready(self) -> str | None:
+        """Why the store cannot serve this replica now (docs/api.md, /readyz), or None: the live
+        probe's cause, else a misconfiguration that refused a request lately."""
+        cause = await probe(self.redis, self._call_timeout_s)
+        if cause is not None:
+            self.store_errors.note(cause, "readyz")
+        else:
+            cause = self.store_errors.refusal()
+        return cause.text if cause is not None else None
+
     async def start(self) -> None:
         await self.upstream.start()
         await self.admission.start()
@@ -146,7 +164,7 @@ class GatewayState:
         self.pools.apply(
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )
-        self.keys = KeyStore(config.keys, self.redis)
+        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
         self.admission.apply(self.registry, config.tiers)
         previous = self.health
         self.health = self._new_health()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -46,9 +45,8 @@ from routing.slots import (
     attempt,
     text,
 )
+from routing.storeerrors import StoreErrors
 from tiers.policy import Tier, TiersConfig
-
-log = logging.getLogger("gateway.admission")
 
 __all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
 
@@ -90,11 +88,13 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         sweep_interval_s: float = 1.0,
         command_timeout_s: float = 2.0,
+        store_errors: StoreErrors | None = None,
+        scripts: Scripts | None = None,
     ) -> None:
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
         self.spool = spool
-        self.scripts = Scripts(command_timeout_s)
+        self.scripts = scripts if scripts is not None else Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
         self.on_outage = on_outage
@@ -107,9 +107,11 @@ class Admission:
         self.slots: dict[str, ModelSlots] = {}
         for model in registry:
             self._add(model, tiers)
+        self.store_errors = store_errors if store_errors is not None else StoreErrors()
         self.handback = Handback(
-            self.scripts, self.store, self.slots, self.holdings, spool, self.retry
-        )
+            self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
+            self.store_errors,
+        )  # fmt: skip
 
     @property
     def held(self) -> dict[str, Lease]:
@@ -123,7 +125,7 @@ class Admission:
         try:
             await self.scripts.load(self.store)
         except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
-            log.warning("admission store unreachable at start: %s", type(exc).__name__)
+            self.store_errors.report(exc, "start")
 
     # --- the walk ------------------------------------------------------------------------
 
@@ -141,6 +143,7 @@ class Admission:
             try:
                 return await self._walk(walk, candidates, tier_of, self._clock())
             except STORE_ERRORS as exc:
+                self.store_errors.report(exc, "admission", refused=True)
                 return self._outage(candidates, tier_of, walk, exc)
         except GatewayError as exc:
             exc.model = exc.model or walk.at

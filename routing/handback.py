@@ -10,7 +10,6 @@ forget; a usage record that does not reach Redis waits in the spool.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -22,9 +21,8 @@ from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call
 from routing.resp import NotSent
 from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
 from routing.slots import ModelSlots, text
+from routing.storeerrors import StoreErrors
 from tiers.usage import encodable
-
-log = logging.getLogger("gateway.admission")
 
 
 class Handback:
@@ -36,6 +34,7 @@ class Handback:
         holdings: Holdings,
         spool: UsageSpool | None,
         retry: RetryAfter,
+        store_errors: StoreErrors | None = None,
     ) -> None:
         self.scripts = scripts
         self.store = store
@@ -47,7 +46,7 @@ class Handback:
         self._pending: set[asyncio.Future[Any]] = set()
         # Releases not answered yet, with their usage records (spooled if never answered).
         self._releasing: dict[asyncio.Future[None], Mapping[str, str] | None] = {}
-        self._release_failing = False
+        self.store_errors = store_errors if store_errors is not None else StoreErrors()
 
     # --- leases --------------------------------------------------------------------------
 
@@ -84,16 +83,16 @@ class Handback:
         released: asyncio.Future[None],
         sent: asyncio.Future[list[Any]],
     ) -> None:
-        replies = None if sent.cancelled() or sent.exception() else sent.result()
-        if replies is None or first_error(replies[:2]) is not None:
-            self.holdings.doubt(lease.id, lease.model, lease.account)
-            if not self._release_failing:
-                log.warning("a release got no answer from Redis; the sweeps will retry it")
-            self._release_failing = True
-        else:
-            self._release_failing = False
+        failed = None if sent.cancelled() else sent.exception()
+        replies = None if sent.cancelled() or failed else sent.result()
+        if replies is None or (failed := first_error(replies[:2])) is not None:
+            self.holdings.doubt(lease.id, lease.model, lease.account)  # the sweeps retry it
+            if failed is not None:
+                self.store_errors.report(failed, "release")
         if usage is not None and (replies is None or isinstance(replies[-1], Exception)):
             self._spool(usage)  # e.g. Redis at maxmemory refuses records: they wait on disk
+            if replies is not None:
+                self.store_errors.report(replies[-1], "usage record")
         if not released.done():
             released.set_result(None)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,10 @@ from routing.slots import ModelState, sweep_result, text
 log = logging.getLogger("gateway.admission")
 
 REPLICAS_KEY = "gw:replicas"
+# A subscription that keeps failing (a wrong password, a Sentinel port) is tried again
+# after 0.5 s, then less and less often, up to this: never a spin. Wake-ups lost meanwhile
+# are claimed by the sweeps.
+SUBSCRIPTION_BACKOFF_S = 10.0
 # A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
 SPOOL_ROUND_S = 30.0
 
@@ -58,14 +62,14 @@ class Keeper:
     interval_s: float = 1.0
     errors: BackgroundErrors = field(default_factory=BackgroundErrors)
     # A sweep round longer than this is cut (and counted): it never waits on a stall.
-    round_timeout_s: float = 5.0
+    round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(every("subscription", 0.5, self._listen, self.errors)),
+            loop.create_task(self._subscription()),
             loop.create_task(
                 every("sweep", self.interval_s, self.sweep_once, self.errors,
                       timeout_s=self.round_timeout_s)
@@ -78,8 +82,11 @@ class Keeper:
         """The set of models changed: listen on every model's channel from now on."""
         if self._tasks:
             self._tasks[0].cancel()
-            listen = every("subscription", 0.5, self._listen, self.errors)
-            self._tasks[0] = asyncio.get_running_loop().create_task(listen)
+            self._tasks[0] = asyncio.get_running_loop().create_task(self._subscription())
+
+    def _subscription(self) -> Coroutine[Any, Any, None]:
+        return every("subscription", 0.5, self._listen, self.errors,
+                     max_backoff_s=SUBSCRIPTION_BACKOFF_S)  # fmt: skip
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -150,8 +157,17 @@ class Keeper:
 
     async def _tend_spool(self) -> None:
         adm = self.admission
-        if adm.spool is not None:
-            await adm.spool.tend(store_sender(adm.scripts, adm.store))
+        if adm.spool is None:
+            return
+        send = store_sender(adm.scripts, adm.store)
+
+        async def reporting(calls: Sequence[Call]) -> list[Any]:
+            replies = await send(calls)
+            if (refused := first_error(replies)) is not None:  # a record Redis would not take
+                self.errors.store.report(refused, "spool")
+            return replies
+
+        await adm.spool.tend(reporting)
 
     # --- wake-ups ------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ pending call fails with `TimeoutError`, and the next call connects again by itse
 
 Bounds: at most `max_pending` calls wait for replies and at most `max_buffer_bytes` wait to
 be written; past either, a call fails at once with `ConnectionError` (an outage answer)
-without being written. TCP keepalive finds a peer that vanished without a FIN.
+without being written. TCP keepalive finds a peer that vanished without a FIN. A Redis that
+refused the connection's AUTH or SELECT is not asked again for a second: calls meanwhile
+fail at once with its answer (a wrong password never heals by retrying).
 
 Used for redis:// and unix:// URLs; everything else (memory://, rediss://) goes through
 redis-py. Errors are redis-py's exception types, so callers catch one family.
@@ -47,6 +49,9 @@ MAX_BUFFER_BYTES = 16 * 1024 * 1024
 # Probe an idle connection after 10 s, every 5 s, give up after 3 misses: a Redis host that
 # vanished (no FIN, no RST) is noticed in about 25 s even on a connection with no calls.
 KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
+# A Redis that refused the connection's AUTH or SELECT (a wrong password, an ACL) will refuse
+# again: for this long, calls fail with its answer at once instead of each connecting anew.
+REFUSED_HOLD_S = 1.0
 
 
 def keepalive_options() -> dict[int, int]:
@@ -230,6 +235,8 @@ class RespClient:
         self._limits = (max_pending, max_buffer_bytes)
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
+        # (until when on the loop's clock, Redis's refusal of the last setup)
+        self._refused: tuple[float, ResponseError] | None = None
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -247,6 +254,9 @@ class RespClient:
 
     async def _send_connecting(self, commands: Sequence[Command], deadline: float) -> list[Any]:
         # The wait for a connection counts against the call's own deadline.
+        refused = self._refused
+        if refused is not None and asyncio.get_running_loop().time() < refused[0]:
+            raise NotSent(str(refused[1])) from refused[1]
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
         try:
@@ -272,6 +282,10 @@ class RespClient:
             ) from exc
         except OSError as exc:
             raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+        except ResponseError as exc:
+            self._refused = (asyncio.get_running_loop().time() + REFUSED_HOLD_S, exc)
+            raise
+        self._refused = None
         self._protocol = protocol
         return protocol
 

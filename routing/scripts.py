@@ -48,12 +48,13 @@ def first_error(replies: Sequence[Any]) -> Exception | None:
 
 
 class Scripts:
-    def __init__(self, command_timeout_s: float = 2.0) -> None:
+    def __init__(self, command_timeout_s: float | None = 2.0) -> None:
         prelude = _lua("prelude.lua")
         self._text = {n: prelude + _lua(f"{n}.lua") for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
-        # Bounds the redis-py path as a whole (the RESP client has its own deadline).
+        # Bounds the redis-py path as a whole (the RESP client has its own deadline); None
+        # for memory:// (routing/store.py, `call_timeout`).
         self._timeout = command_timeout_s
 
     async def load(self, client: Store) -> None:

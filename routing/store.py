@@ -1,12 +1,27 @@
-"""The connection to the shared store (Redis), or an in-process stand-in for `memory://`."""
+"""The connection to the shared store (Redis), or an in-process stand-in for `memory://`;
+and the probe that asks it whether the gateway can use it (at start and on /readyz)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.exceptions import NoScriptError, RedisError
 
 from routing.resp import RespClient, keepalive_options
+from routing.storeerrors import Cause, cause_of
+
+# redis-py connections per process. The hot path of redis:// and unix:// needs none (one
+# pipelining connection); rediss:// runs admission through this pool, and a call finding all
+# of them busy waits for one (within the command timeout) instead of failing as an outage.
+MAX_CONNECTIONS = 512
+# memory://: connections are objects in this process, so none is ever refused (redis-py's
+# default pool refuses the 101st at once, which read as an outage in the demo).
+UNBOUNDED = 2**31
+# A script that cannot exist: running it answers NOSCRIPT where scripts may run.
+PROBE_SHA = "0" * 40
 
 
 def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
@@ -15,9 +30,20 @@ def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
     if url.startswith("memory://"):
         import fakeredis
 
-        client: Any = fakeredis.FakeAsyncRedis()
+        client: Any = fakeredis.FakeAsyncRedis(max_connections=UNBOUNDED)
         return client  # type: ignore[no-any-return]
-    return _redis_py(url, socket_timeout=command_timeout_s, max_connections=512)
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=command_timeout_s,
+        **_options(socket_timeout=command_timeout_s),
+    )  # fmt: skip
+    return aioredis.Redis.from_pool(pool)
+
+
+def call_timeout(url: str, command_timeout_s: float) -> float | None:
+    """How long a store call may take before it counts as an outage. memory:// lives in this
+    process and cannot stall on its own: a wait for it is a wait for this process's CPU
+    (a thousand requests at once take longer than a timeout), never an outage."""
+    return None if url.startswith("memory://") else command_timeout_s
 
 
 def script_store(
@@ -36,16 +62,73 @@ def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
     the in-process server of `client`."""
     if url.startswith("memory://"):
         return client
-    return _redis_py(url, socket_timeout=None)
+    return aioredis.Redis.from_url(url, **_options(socket_timeout=None))
 
 
-def _redis_py(url: str, *, socket_timeout: float | None, **options: Any) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        url,
-        socket_connect_timeout=2.0,
-        socket_timeout=socket_timeout,
-        socket_keepalive=True,
-        socket_keepalive_options=keepalive_options(),
-        health_check_interval=15,
-        **options,
-    )
+def _options(*, socket_timeout: float | None) -> dict[str, Any]:
+    return {
+        "socket_connect_timeout": 2.0,
+        "socket_timeout": socket_timeout,
+        "socket_keepalive": True,
+        "socket_keepalive_options": keepalive_options(),
+        "health_check_interval": 15,
+    }
+
+
+async def probe(client: aioredis.Redis, timeout_s: float | None) -> Cause | None:
+    """Why the gateway cannot use this store now, or None. One round trip: connecting
+    tests the password and the TLS certificate; ROLE tells a Sentinel or a replica from a
+    master; running a script that does not exist answers NOSCRIPT where this user may run
+    scripts (else NOPERM, or an unknown command on a Sentinel)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("ROLE")
+            pipe.execute_command("EVALSHA", PROBE_SHA, 0)
+            role, script = await pipe.execute(raise_on_error=False)
+    except TimeoutError:
+        return Cause("timeout", f"redis: no answer within {timeout_s or 0:g} s")
+    except (RedisError, OSError) as exc:
+        return cause_of(exc)
+    return _not_master(role) or _refused(script)
+
+
+def _not_master(role: Any) -> Cause | None:
+    # An error (a user without ROLE, or fakeredis) leaves it to the script probe.
+    if isinstance(role, Exception) or not isinstance(role, list) or not role:
+        return None
+    name = _text(role[0])
+    if name == "sentinel":
+        return Cause("not_master", "redis: not a master (sentinel)")
+    if name in ("slave", "replica"):
+        master = f" of {_text(role[1])}:{role[2]}" if len(role) > 2 else ""
+        return Cause("not_master", f"redis: not a master (replica{master})")
+    return None
+
+
+def _refused(reply: Any) -> Cause | None:
+    if not isinstance(reply, Exception) or isinstance(reply, NoScriptError):
+        return None
+    return cause_of(reply)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def start_problem(url: str, command_timeout_s: float) -> Cause | None:
+    """A misconfiguration that must stop `gateway serve` at once (wrong password, missing
+    permission, refused certificate, not a master), or None. A store that cannot be reached
+    now is None too: an outage may heal, and `redis.on_outage` answers meanwhile."""
+    if url.startswith("memory://"):
+        return None
+
+    async def check() -> Cause | None:
+        client = connect(url, command_timeout_s=command_timeout_s)
+        try:
+            return await probe(client, 2.0 + command_timeout_s)  # a connect, then a reply
+        finally:
+            await client.aclose()
+
+    cause = asyncio.run(check())
+    return cause if cause is not None and cause.misconfigured else None

@@ -2,7 +2,9 @@
 
 Every test run starts its own (two runs on one machine never meet), and fault tests start
 more of them to kill, restart empty, or stall (SIGSTOP) at will. Nothing is kept on disk
-unless `persistent` asks for an append-only file, like a production Redis would.
+unless `persistent` asks for an append-only file, like a production Redis would. Tests of
+misconfigured stores give it more: extra arguments (`--requirepass`, `--replicaof`), TLS
+only (a certificate and key, e.g. `self_signed`), or Sentinel mode.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 STARTUP_DEADLINE_S = 10.0
@@ -55,8 +58,27 @@ def wait_started(
     raise RuntimeError(f"{what} did not start in {deadline_s}s")
 
 
+def _pong(conn: socket.socket) -> bool:
+    conn.sendall(b"PING\r\n")
+    return conn.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by the `openssl` binary."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
 class RedisServer:
-    """One redis-server process on 127.0.0.1:<port>, with its files under `directory`."""
+    """One redis-server process on 127.0.0.1:<port>, with its files under `directory`.
+    `tls`: (certificate, key) to serve TLS only on that port; `sentinel`: run as a Sentinel
+    (watching `monitor`, a port where no master need answer)."""
 
     def __init__(
         self,
@@ -65,28 +87,56 @@ class RedisServer:
         persistent: bool = False,
         maxmemory: str | None = None,
         port: int | None = None,
+        extra: Sequence[str] = (),
+        tls: tuple[Path, Path] | None = None,
+        sentinel: bool = False,
+        monitor: int = 1,
     ) -> None:
         self.port = port or free_port()
         self.dir = directory / f"redis-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.persistent = persistent
         self.maxmemory = maxmemory
+        self.extra = list(extra)
+        self.tls = tls
+        self.sentinel = sentinel
+        self.monitor = monitor
         self.popen: subprocess.Popen[bytes] | None = None
         self.paused = False
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls is not None else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def args(self) -> list[str]:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+        if self.sentinel:
+            return self._sentinel_args()
+        port = (
+            ["--port", "0", "--tls-port", str(self.port)]
+            if self.tls
+            else ["--port", str(self.port)]
+        )
+        args = [redis_server_binary(), *port, "--bind", "127.0.0.1",
                 "--save", "", "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log"),
                 "--appendonly", "yes" if self.persistent else "no"]  # fmt: skip
         if self.persistent:
             args += ["--appendfsync", "always"]
         if self.maxmemory is not None:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
-        return args
+        if self.tls is not None:
+            args += ["--tls-cert-file", str(self.tls[0]), "--tls-key-file", str(self.tls[1]),
+                     "--tls-auth-clients", "no"]  # fmt: skip
+        return args + self.extra
+
+    def _sentinel_args(self) -> list[str]:
+        conf = self.dir / "sentinel.conf"  # Sentinel rewrites its config file: one of its own
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"logfile {self.dir / 'redis.log'}\n"
+            f"sentinel monitor gw 127.0.0.1 {self.monitor} 1\n"
+        )
+        return [redis_server_binary(), str(conf), "--sentinel", *self.extra]
 
     def start(self) -> RedisServer:
         self.popen = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL)
@@ -99,10 +149,15 @@ class RedisServer:
         wait_started(self.popen, self.ping, "redis-server", self.log_tail)
 
     def ping(self, timeout_s: float = 0.5) -> bool:
+        """Whether the server answers (a PONG, or a refusal for want of a password)."""
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                if self.tls is None:
+                    return _pong(s)
+                context = ssl.create_default_context()
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                with context.wrap_socket(s) as tls:
+                    return _pong(tls)
         except OSError:
             return False
 

@@ -23,6 +23,7 @@ from routing.plan import Candidate, plan_candidates
 from routing.registry import Model, Registry
 from routing.resp import RespClient
 from routing.slots import QUEUED, text
+from routing.store import MAX_CONNECTIONS
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
@@ -100,7 +101,9 @@ class Fleet:
     _clients: list[aioredis.Redis] = field(default_factory=list)
 
     def client(self, url: str = REDIS_URL, **options: Any) -> aioredis.Redis:
-        client = aioredis.Redis.from_url(url, **options)
+        # As many connections as the gateway's own clients (redis-py's default, 100, would
+        # refuse some of the randomized run's 200 requests when they happen to overlap).
+        client = aioredis.Redis.from_url(url, **{"max_connections": MAX_CONNECTIONS, **options})
         self._clients.append(client)
         return client
 

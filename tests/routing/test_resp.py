@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -274,3 +275,27 @@ async def test_the_connection_has_tcp_keepalive(fake: FakeRedis, make: Make) -> 
     assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
     if hasattr(socket, "TCP_KEEPIDLE"):
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+
+
+async def test_a_refused_password_is_answered_at_once_without_connecting_again(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path, extra=["--requirepass", "right"]).start()
+    client = RespClient(server.url.replace("//", "//:wrong@"))
+    admin = RespClient(server.url.replace("//", "//:right@"))
+    try:
+
+        async def connections() -> int:
+            (info,) = await admin.send([["INFO", "stats"]])
+            return int(info.split(b"total_connections_received:")[1].split(b"\r\n")[0])
+
+        before = await connections()
+        for _ in range(20):  # a burst of requests meeting a wrong password
+            with pytest.raises(NotSent, match=r"^WRONGPASS"):
+                await client.send([["PING"]])
+        # One refused setup, then its answer for REFUSED_HOLD_S (the loop takes milliseconds).
+        assert await connections() - before <= 2
+    finally:
+        await client.aclose()
+        await admin.aclose()
+        server.stop()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from typing import Any
+
+from redis.asyncio.connection import BlockingConnectionPool
 
 from routing.resp import RespClient
-from routing.store import connect, script_store, subscriber
+from routing.store import MAX_CONNECTIONS, call_timeout, connect, script_store, subscriber
 from tests.conftest import REDIS_URL
 
 
@@ -44,4 +48,34 @@ async def test_the_script_store_gets_the_command_timeout() -> None:
         assert script_store("memory://", client, 0.7) is client
     finally:
         await store.aclose()
+        await client.aclose()
+
+
+async def test_memory_store_takes_any_number_of_calls_at_once_without_a_deadline() -> None:
+    """memory:// (the demo) lives in this process: redis-py's default pool refused the
+    101st concurrent call, and a burst queued longer than the command timeout on the CPU."""
+    client = connect("memory://", command_timeout_s=0.7)
+
+    async def batch(i: int) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        pipe.set(f"k{i}", i)
+        pipe.get(f"k{i}")
+        return list(await pipe.execute())
+
+    try:
+        replies = await asyncio.gather(*(batch(i) for i in range(500)))
+    finally:
+        await client.aclose()
+    assert replies == [[True, str(i).encode()] for i in range(500)]
+    assert call_timeout("memory://", 0.7) is None
+    assert call_timeout(REDIS_URL, 0.7) == 0.7
+
+
+async def test_a_redis_py_call_waits_for_a_free_connection_within_the_timeout() -> None:
+    client = connect(REDIS_URL, command_timeout_s=0.7)
+    try:
+        pool = client.connection_pool
+        assert isinstance(pool, BlockingConnectionPool)
+        assert (pool.max_connections, pool.timeout) == (MAX_CONNECTIONS, 0.7)
+    finally:
         await client.aclose()
