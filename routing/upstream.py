@@ -75,6 +75,9 @@ class UpstreamResponse:
         self._resp.release()
 
 
+KEEPALIVE_S = 4.0
+
+
 class Upstream:
     """Posts JSON to workers over one pooled session. Build in the lifespan, close on exit."""
 
@@ -88,6 +91,10 @@ class Upstream:
             limit=self._max_connections,
             limit_per_host=0,
             ttl_dns_cache=300,
+            # Idle connections are dropped before the worker drops them: uvicorn, and so vLLM
+            # and SGLang, close theirs after 5 s; a request sent on one just as it closes fails
+            # as "unreachable" and takes a healthy endpoint out of rotation.
+            keepalive_timeout=KEEPALIVE_S,
             enable_cleanup_closed=False,
         )
         timeout = aiohttp.ClientTimeout(
