@@ -95,10 +95,14 @@ class Metrics:
                 lambda: self.usage_lost,
             )
         )
-        self.usage_bad_lines = Gauge(
-            "gateway_usage_spool_bad_lines", "Unreadable spool lines this process set aside.",
-            registry=r,
-        )  # fmt: skip
+        self.usage_bad_lines = 0
+        r.register(
+            _Total(
+                "gateway_usage_spool_bad_lines",
+                "Unreadable spool lines this process set aside.",
+                lambda: self.usage_bad_lines,
+            )
+        )
         # docs/usage.md: the stream `usage` (fleet-wide: every replica shows the same), as of the
         # last spool round, after trimming to usage.retention_days.
         # Beyond traffic: the fleet as this replica last saw it (its `on_outage: local` share

@@ -201,7 +201,7 @@ class GatewayState:
         if spool is not None:
             m.usage_spooled.set(spool.size_bytes())
             m.usage_lost = spool.lost
-            m.usage_bad_lines.set(spool.bad_lines)
+            m.usage_bad_lines = spool.bad_lines
             if spool.stream is not None:
                 m.usage_stream_length.set(spool.stream.length)
                 m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)

@@ -181,7 +181,7 @@ def test_a_restarted_gateway_sends_what_its_predecessor_left(
     wait_for(lambda: recorded(redis_s) == Counter(left), "the predecessor's records")
     wait_for(lambda: not spool.exists(), "the adopted spool to be deleted")
     assert not spool.with_suffix(".lock").exists()
-    assert metric(second, "gateway_usage_spool_bad_lines") == 1
+    assert metric(second, "gateway_usage_spool_bad_lines_total") == 1
     assert metric(second, 'gateway_background_errors_total{task="spool"}') == 0
     (bad,) = spool_dir.glob("gateway-usage-*.bad")
     assert bad.read_bytes().startswith(b'{"request_id": "torn-')
