@@ -22,6 +22,7 @@ from gateway.listen import ListenError, listen
 from gateway.logs import FORMATS
 from gateway.logs import setup as setup_logs
 from gateway.settings import ConfigError, digest_key, load_config
+from routing.storeerrors import cause_of
 from tiers.policy import Tier
 
 log = logging.getLogger("gateway")
@@ -232,7 +233,7 @@ def _keys_create(args: argparse.Namespace) -> int:
     try:
         key = _run(create())
     except (RedisError, OSError) as exc:
-        print(f"gateway keys create: store unreachable: {type(exc).__name__}", file=sys.stderr)
+        print(f"gateway keys create: {cause_of(exc).text}", file=sys.stderr)
         return 1
     print(key)
     print(f"# account {args.account}, key id {digest_key(key)[:12]}; shown once", file=sys.stderr)
@@ -269,7 +270,7 @@ def _usage_export(args: argparse.Namespace) -> int:
         print(f"gateway usage export: --since: {exc}", file=sys.stderr)
         return 2
     except (RedisError, OSError) as exc:
-        print(f"gateway usage export: store unreachable: {type(exc).__name__}", file=sys.stderr)
+        print(f"gateway usage export: {cause_of(exc).text}", file=sys.stderr)
         return 1
     print(f"# {rows} rows", file=sys.stderr)
     return 0

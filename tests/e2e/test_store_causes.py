@@ -181,3 +181,21 @@ def _await_unready(http: httpx.Client) -> str:
             return reason
         assert time.monotonic() < deadline, "/readyz stayed 200"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "command", [["keys", "create", "--account", "a"], ["usage", "export"]], ids=["keys", "usage"]
+)
+def test_the_operator_commands_name_the_cause(tmp_path: Path, command: list[str]) -> None:
+    made = wrong_password(tmp_path)
+    try:
+        path = tmp_path / "gateway.yaml"
+        path.write_text(config(made.url))
+        ran = subprocess.run(
+            [sys.executable, "-m", "gateway", *command, "--config", str(path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        made.servers[0].stop()
+    assert ran.returncode == 1, ran.stderr
+    assert ran.stderr.splitlines() == [f"gateway {' '.join(command[:2])}: {made.reason}"]
