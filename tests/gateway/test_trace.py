@@ -21,7 +21,7 @@ from gateway.trace import (
     valid_traceparent,
     valid_tracestate,
 )
-from tests.gateway.test_app import ANSWER, _settled
+from tests.gateway.test_app import ANSWER
 from tests.redis_server import free_port
 
 KEY = "sk-trace"
@@ -144,7 +144,7 @@ async def post(app: GatewayApp, headers: list[tuple[str, str]]) -> httpx.Respons
     sent: list[tuple[str, str]] = [("authorization", f"Bearer {KEY}"), *headers]
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         response = await client.post("/v1/completions", content=body, headers=sent)
-    await _settled(app)
+    await app.state.admission.drain()  # the release is done (not: every task of the loop)
     return response
 
 
