@@ -43,7 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default="127.0.0.1", help="gateway address (default: %(default)s)")
     _log_options(demo)
 
-    sim = sub.add_parser("sim", help="a simulated vLLM-like GPU worker")
+    _sim_options(sub.add_parser("sim", help="a simulated vLLM-like GPU worker"))
+    _keys_options(sub.add_parser("keys", help="API keys"))
+    _usage_options(sub.add_parser("usage", help="usage records"))
+    return parser
+
+
+def _sim_options(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--port", type=int, required=True, help="listen port")
     sim.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     sim.add_argument(
@@ -68,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
         help="misbehave from the start: never answer, answer 500, or cut streams short",
     )
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(
-        dest="keys_command", required=True, metavar="COMMAND"
-    )
+
+def _keys_options(command: argparse.ArgumentParser) -> None:
+    keys = command.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     create = keys.add_parser("create", help="mint a key, print it once, store its digest")
     create.add_argument("--config", required=True, help="YAML config file (the store to use)")
     create.add_argument("--account", required=True, help="account the key's requests bill to")
@@ -88,9 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         help="allow-list of service tiers (default: all)",
     )
 
-    usage = sub.add_parser("usage", help="usage records").add_subparsers(
-        dest="usage_command", required=True, metavar="COMMAND"
-    )
+
+def _usage_options(command: argparse.ArgumentParser) -> None:
+    usage = command.add_subparsers(dest="usage_command", required=True, metavar="COMMAND")
     export = usage.add_parser("export", help="read the usage records")
     export.add_argument("--config", required=True, help="YAML config file (the store to read)")
     export.add_argument(
@@ -106,7 +112,6 @@ def _parser() -> argparse.ArgumentParser:
         "--by",
         help="sum instead, grouped by a comma-separated list of: account, tier, model, source",
     )
-    return parser
 
 
 def _log_options(command: argparse.ArgumentParser) -> None:
