@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import secrets
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from redis.exceptions import RedisError
 
@@ -246,7 +247,7 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from gateway.exporter import GROUPS, export
+    from gateway.exporter import GROUPS, export, since_id
     from routing.store import connect
 
     config = load_config(args.config)
@@ -259,26 +260,67 @@ def _usage_export(args: argparse.Namespace) -> int:
         print("gateway usage export: a memory:// store lives inside its gateway", file=sys.stderr)
         return 2
 
+    try:
+        since_id(args.since)
+    except ValueError as exc:
+        print(f"gateway usage export: --since: {exc}", file=sys.stderr)
+        return 2
+    out = _Output(sys.stdout)
+
     async def run() -> int:
         redis = connect(config.redis.url, command_timeout_s=config.redis.command_timeout_s)
         try:
-            return await export(redis, args.since, args.format, by, sys.stdout)
+            return await export(redis, args.since, args.format, by, out)
         finally:
             await redis.aclose()
 
     try:
         rows = asyncio.run(run())
-        sys.stdout.flush()  # within the try: a reader gone shows here for a short export
+        out.flush()  # within the try: a reader gone shows here for a short export
     except BrokenPipeError:
         return _reader_gone()
-    except ValueError as exc:
-        print(f"gateway usage export: --since: {exc}", file=sys.stderr)
-        return 2
+    except _OutputFailed as exc:  # a full disk, say: not the store's fault
+        print(f"gateway usage export: cannot write the output: {exc}", file=sys.stderr)
+        return 1
     except (RedisError, OSError) as exc:
         print(f"gateway usage export: {cause_of(exc).text}", file=sys.stderr)
         return 1
     print(f"# {rows} rows", file=sys.stderr)
     return 0
+
+
+class _OutputFailed(Exception):
+    """Writing the export failed (other than a reader gone): said as such, not as a store
+    error."""
+
+
+class _Output(io.TextIOBase):
+    """stdout for the export: UTF-8 whatever the locale (records hold any text), and a write
+    error told apart from a store error."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._bytes = stream.buffer if hasattr(stream, "buffer") else None
+        self._text = stream
+
+    def write(self, text: str) -> int:
+        try:
+            if self._bytes is not None:
+                self._bytes.write(text.encode())
+            else:
+                self._text.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc.strerror or str(exc)) from exc
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            (self._bytes or self._text).flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise _OutputFailed(exc.strerror or str(exc)) from exc
 
 
 def _reader_gone() -> int:

@@ -7,7 +7,7 @@ import csv
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import fields
 from datetime import UTC, datetime, timedelta
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -16,6 +16,14 @@ from routing.ledger import USAGE_STREAM
 from tiers.usage import UsageRecord
 
 GROUPS = {"account": "account", "tier": "tier", "model": "served_model", "source": "source"}
+
+
+class Sink(Protocol):
+    """Where the export goes: stdout, a file, a StringIO."""
+
+    def write(self, text: str, /) -> int: ...
+
+
 BATCH = 1000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -43,9 +51,7 @@ async def records(redis: aioredis.Redis, since: str | None) -> AsyncIterator[Usa
         start = "(" + _s(entries[-1][0])
 
 
-def write_rows(
-    rows: Iterable[dict[str, Any]], columns: Sequence[str], fmt: str, out: TextIO
-) -> int:
+def write_rows(rows: Iterable[dict[str, Any]], columns: Sequence[str], fmt: str, out: Sink) -> int:
     count = 0
     writer = csv.DictWriter(out, fieldnames=list(columns)) if fmt == "csv" else None
     if writer is not None:
@@ -96,7 +102,7 @@ def summarize(items: Iterable[UsageRecord], by: Sequence[str]) -> list[dict[str,
 
 
 async def export(
-    redis: aioredis.Redis, since: str | None, fmt: str, by: Sequence[str] | None, out: TextIO
+    redis: aioredis.Redis, since: str | None, fmt: str, by: Sequence[str] | None, out: Sink
 ) -> int:
     """Write the records (or their totals) to `out`; the number of rows written."""
     collected = [r async for r in records(redis, since)]

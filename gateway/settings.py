@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.asyncio.connection import parse_url
 
 from routing.health import HealthSettings
 from routing.ledger import UsageSettings
@@ -51,6 +52,14 @@ class RedisConfig(BaseModel):
     def _known_scheme(cls, url: str) -> str:
         if not url.startswith(("redis://", "rediss://", "unix://", "memory://")):
             raise ValueError("must start with redis://, rediss://, unix:// or memory://")
+        if not url.startswith("memory://"):
+            try:
+                parse_url(url)
+            except ValueError:  # its message may quote a piece of the password: not shown
+                raise ValueError(
+                    "cannot be parsed as a Redis URL (in a password, write / # ? @ : as "
+                    "%2F %23 %3F %40 %3A)"
+                ) from None
         return url
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -139,3 +140,43 @@ def test_usage_export_into_a_reader_that_leaves_early_is_quiet(
     assert first.strip()
     assert errors == ""
     assert code == 128 + signal.SIGPIPE
+
+
+def _export_config(tmp_path: Path) -> Path:
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        f'redis: {{url: "{root.REDIS_URL}"}}\n'
+        "models: {m: {endpoints: [{url: 'http://127.0.0.1:9', max_concurrency: 1}]}}\n"
+    )
+    return config
+
+
+def test_usage_export_into_a_full_disk_says_so(many_records: int, tmp_path: Path) -> None:
+    """A write that fails is not a store error (and not a --since error)."""
+    args = ["usage", "export", "--config", str(_export_config(tmp_path)), "--format", "csv"]
+    with open("/dev/full", "w") as full:
+        ran = subprocess.run(
+            [sys.executable, "-m", "gateway", *args],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    assert ran.returncode == 1
+    assert ran.stderr.splitlines() == [
+        "gateway usage export: cannot write the output: No space left on device"
+    ]
+
+
+def test_usage_export_is_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    client = redis.Redis.from_url(root.REDIS_URL)
+    try:
+        client.delete(USAGE_STREAM)
+        client.xadd(USAGE_STREAM, usage_record(request_id="r", user="Zoë 東京").to_fields())  # type: ignore[arg-type]
+        args = ["usage", "export", "--config", str(_export_config(tmp_path)), "--format", "csv"]
+        ran = subprocess.run(
+            [sys.executable, "-m", "gateway", *args], capture_output=True, timeout=60,
+            env={**os.environ, "PYTHONIOENCODING": "ascii"},
+        )  # fmt: skip
+    finally:
+        client.delete(USAGE_STREAM)
+        client.close()
+    assert ran.returncode == 0, ran.stderr
+    assert "Zoë 東京" in ran.stdout.decode()

@@ -349,3 +349,17 @@ def test_key_digest_lowercased_and_checked() -> None:
     assert config_error(config_dict(keys=[{"sha256": "abc", "account": "a"}])).startswith(
         "test.yaml: keys.0.sha256:"
     )
+
+
+def test_a_redis_url_that_cannot_be_parsed_never_shows_its_password() -> None:
+    """A base64 password holds "/": the URL then cannot be parsed, and redis-py's message
+    would quote the password's first half."""
+    text = (
+        'redis: {url: "redis://:Zm9vYmFy/c2VjcmV0@127.0.0.1:6399/0"}\n'
+        "models: {m: {endpoints: [{url: 'http://127.0.0.1:9', max_concurrency: 1}]}}\n"
+    )
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, "gw.yaml")
+    assert "redis.url: " in str(raised.value) and "%2F" in str(raised.value)
+    assert "Zm9vYmFy" not in str(raised.value) and "c2VjcmV0" not in str(raised.value)
+    parse_config(text.replace("Zm9vYmFy/", "Zm9vYmFy%2F"), "gw.yaml")  # encoded: fine
