@@ -95,7 +95,11 @@ def _header(headers: Any, name: bytes) -> str | None:
 
 
 def _printable(text: str) -> str:
-    """A path as one line: control characters escaped (a log line cannot be forged)."""
-    if text.isprintable():
+    """A path as one token: control characters escaped, spaces as %20 (a log line cannot
+    be forged)."""
+    if text.isprintable() and " " not in text:
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    return "".join(
+        "%20" if c == " " else c if c.isprintable() else c.encode("unicode_escape").decode()
+        for c in text
+    )

@@ -35,9 +35,18 @@ class TextFormatter(logging.Formatter):
         if fields:
             said: tuple[str, ...] = getattr(record, "in_message", ())
             line += "".join(
-                f" {k}={v}" for k, v in fields.items() if v is not None and k not in said
+                f" {k}={_value(v)}" for k, v in fields.items() if v is not None and k not in said
             )
         return line
+
+
+def _value(value: Any) -> str:
+    """A field's value as one token: quoted (JSON string) when it holds a space, a quote or
+    an `=`, so that a caller's request id or model name cannot pose as another field."""
+    text = str(value)
+    if text and not any(c.isspace() or c in '"=' for c in text):
+        return text
+    return orjson.dumps(text).decode()
 
 
 class JsonFormatter(logging.Formatter):

@@ -121,7 +121,7 @@ async def test_a_path_cannot_forge_a_line(lines: Lines) -> None:
     await AccessLog(answering(404))(scope("/x\nfake INFO line\x1b[2J", "GET"), receive, discard)
     line = TextFormatter().format(lines()[0])
     assert "\n" not in line and "\x1b" not in line
-    assert "/x\\nfake INFO line\\x1b[2J" in line
+    assert "/x\\nfake%20INFO%20line\\x1b[2J" in line
 
 
 def record(msg: str, **extra: Any) -> logging.LogRecord:
@@ -160,3 +160,19 @@ def test_text_line_leaves_out_what_the_message_says_and_unknowns() -> None:
 
 def test_access_note_starts_empty() -> None:
     assert AccessNote() == AccessNote(None, None, None, None, None, None)
+
+
+async def test_a_path_with_spaces_cannot_pose_as_fields(lines: Lines) -> None:
+    path = "/v1/models/x 200 request_id=forged"
+    await AccessLog(answering(405))(scope(path, "POST"), receive, discard)
+    line = TextFormatter().format(lines()[0])
+    assert "/v1/models/x%20200%20request_id=forged 405" in line
+
+
+def test_a_text_field_with_spaces_or_equals_is_one_quoted_token() -> None:
+    forged = "x model=demo tier=priority status=200"
+    rec = record("POST / 404", fields={"request_id": forged, "model": 'a"b', "tier": "flex"})
+    line = TextFormatter().format(rec)
+    assert line.endswith(
+        'POST / 404 request_id="x model=demo tier=priority status=200" model="a\\"b" tier=flex'
+    )
