@@ -75,22 +75,26 @@ def _options(*, socket_timeout: float | None) -> dict[str, Any]:
     }
 
 
-async def probe(client: aioredis.Redis, timeout_s: float | None) -> Cause | None:
+async def probe(
+    client: aioredis.Redis, timeout_s: float | None, *, scripts: bool = True
+) -> Cause | None:
     """Why the gateway cannot use this store now, or None. One round trip: connecting
     tests the password and the TLS certificate; ROLE tells a Sentinel or a replica from a
-    master; running a script that does not exist answers NOSCRIPT where this user may run
-    scripts (else NOPERM, or an unknown command on a Sentinel)."""
+    master; with `scripts`, running a script that does not exist answers NOSCRIPT where
+    this user may run scripts (else NOPERM, or an unknown command on a Sentinel). Redis
+    counts that NOSCRIPT as a failed call, so frequent probes leave it out."""
     try:
         async with asyncio.timeout(timeout_s):
             pipe = client.pipeline(transaction=False)
             pipe.execute_command("ROLE")
-            pipe.execute_command("EVALSHA", PROBE_SHA, 0)
-            role, script = await pipe.execute(raise_on_error=False)
+            if scripts:
+                pipe.execute_command("EVALSHA", PROBE_SHA, 0)
+            role, *script = await pipe.execute(raise_on_error=False)
     except TimeoutError:
         return Cause("timeout", f"redis: no answer within {timeout_s or 0:g} s")
     except (RedisError, OSError) as exc:
         return cause_of(exc)
-    return _not_master(role) or _refused(script)
+    return _not_master(role) or (_refused(script[0]) if script else None)
 
 
 def _not_master(role: Any) -> Cause | None:

@@ -17,6 +17,7 @@ keys, prompts or passwords. They are cut to one short line all the same.
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 import time
 from collections import OrderedDict
@@ -55,8 +56,35 @@ class Cause:
         return self.kind in MISCONFIGURED
 
     @property
+    def public(self) -> str:
+        """The cause as /readyz tells anyone who asks: its kind and Redis's error code, with
+        no address, user or topology (the full line goes to the log)."""
+        if self.kind == "auth":
+            code = "NOAUTH" if "NOAUTH" in self.text else "WRONGPASS"
+            return f"redis: {code} (wrong or missing password)"
+        if self.kind == "permission":
+            command = re.search(r"'([A-Za-z|]{1,40})'", self.text)
+            named = f": {command.group(1).lower()}" if command else ""
+            return f"redis: NOPERM (missing ACL permission{named})"
+        if self.kind == "not_master":
+            what = "sentinel" if "sentinel" in self.text.lower() else "replica"
+            return f"redis: not a master ({what})"
+        if self.kind == "tls":
+            return self.text if "verify failed" in self.text else "redis: TLS failed"
+        if self.kind == "timeout" and self.text.startswith("redis: no answer within"):
+            return self.text  # the gateway's own timeout, nothing of the store's
+        return _PUBLIC.get(self.kind, "redis: error")
+
+    @property
     def key(self) -> str:
         return self.kind if self.kind in _BY_KIND else f"{self.kind}:{self.text}"
+
+
+_PUBLIC = {
+    "unreachable": "redis: unreachable",
+    "timeout": "redis: no answer in time",
+    "pool": "redis: no free connection in this process",
+}
 
 
 def _line(message: str) -> str:

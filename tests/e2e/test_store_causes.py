@@ -47,7 +47,8 @@ keys: [{{sha256: "{digest(KEY)}", account: causes}}]
 @dataclass
 class Misconfigured:
     url: str
-    reason: str  # the one line, as /readyz says it
+    reason: str  # the one line, as `serve` says it at start and the log says it
+    public: str  # as /readyz tells anyone who asks: no address, user or topology
     servers: list[RedisServer] = field(default_factory=list)
 
 
@@ -55,7 +56,7 @@ def wrong_password(tmp: Path) -> Misconfigured:
     server = RedisServer(tmp, extra=["--requirepass", "the-right-one"]).start()
     url = server.url.replace("//", "//:a-wrong-one@")
     reason = "redis: WRONGPASS invalid username-password pair or user is disabled."
-    return Misconfigured(url, reason, [server])
+    return Misconfigured(url, reason, "redis: WRONGPASS (wrong or missing password)", [server])
 
 
 def missing_permission(tmp: Path) -> Misconfigured:
@@ -65,7 +66,7 @@ def missing_permission(tmp: Path) -> Misconfigured:
                               "-evalsha")  # fmt: skip
     url = f"redis://gw:pw@127.0.0.1:{server.port}/0"
     reason = "redis: NOPERM this user has no permissions to run the 'evalsha' command"
-    return Misconfigured(url, reason, [server])
+    return Misconfigured(url, reason, "redis: NOPERM (missing ACL permission: evalsha)", [server])
 
 
 def self_signed_tls(tmp: Path) -> Misconfigured:
@@ -79,19 +80,20 @@ def self_signed_tls(tmp: Path) -> Misconfigured:
             raise
         pytest.skip(f"this redis-server has no TLS: {exc}")
     reason = "redis: TLS certificate verify failed: self-signed certificate"
-    return Misconfigured(server.url, reason, [server])  # rediss:// without ssl_ca_certs
+    return Misconfigured(server.url, reason, reason, [server])  # rediss:// without ssl_ca_certs
 
 
 def sentinel_port(tmp: Path) -> Misconfigured:
     server = RedisServer(tmp, sentinel=True).start()
-    return Misconfigured(server.url, "redis: not a master (sentinel)", [server])
+    reason = "redis: not a master (sentinel)"
+    return Misconfigured(server.url, reason, reason, [server])
 
 
 def replica(tmp: Path) -> Misconfigured:
     master = RedisServer(tmp).start()
     server = RedisServer(tmp, extra=["--replicaof", "127.0.0.1", str(master.port)]).start()
     reason = f"redis: not a master (replica of 127.0.0.1:{master.port})"
-    return Misconfigured(server.url, reason, [master, server])
+    return Misconfigured(server.url, reason, "redis: not a master (replica)", [master, server])
 
 
 @pytest.fixture(params=[wrong_password, missing_permission, self_signed_tls, sentinel_port,
@@ -133,7 +135,7 @@ async def test_readyz_names_the_cause(misconfigured: Misconfigured) -> None:
     finally:
         await asyncio.wait_for(state.close(), 15)
     assert ready.status_code == 503
-    assert ready.json() == {"status": "unavailable", "reason": misconfigured.reason}
+    assert ready.json() == {"status": "unavailable", "reason": misconfigured.public}
     assert refused.status_code == 503
 
 
@@ -159,7 +161,7 @@ def test_a_password_changed_under_a_running_gateway_is_named_once(tmp_path: Path
                 admin.client_kill_filter(_type="normal", skipme=True)
                 admin.client_kill_filter(_type="pubsub")
             reason = _await_unready(http)
-            assert reason == "redis: WRONGPASS invalid username-password pair or user is disabled."
+            assert reason == "redis: WRONGPASS (wrong or missing password)"
             codes = [http.post("/v1/completions", json=body).status_code for _ in range(30)]
             assert set(codes) == {503}
         log = gw.log.read_text()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import redis
 
 from gateway.app import build_app
 from gateway.settings import parse_config
@@ -64,3 +65,20 @@ async def test_readyz_names_a_model_without_a_healthy_endpoint_and_draining(
         state.draining = True
         assert (await http.get("/readyz")).json()["reason"] == "shutting down"
     await asyncio.wait_for(state.close(), 10)
+
+
+async def test_readyz_asks_whether_scripts_may_run_once_a_minute_not_every_probe(
+    private_redis: RedisServer,
+) -> None:
+    """The script probe answers NOSCRIPT, which Redis counts as a failed call: every probe
+    of every replica would show as a stream of errors in Redis's own stats."""
+    state = GatewayState(parse_config(CONFIG.format(url=private_redis.url), "probe.yaml"))
+    transport = httpx.ASGITransport(app=build_app(state))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        for _ in range(5):
+            assert (await http.get("/readyz")).status_code == 200
+    await state.redis.aclose()
+    with redis.Redis(port=private_redis.port) as admin:
+        stats = admin.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert stats["cmdstat_role"]["calls"] == 5
