@@ -25,6 +25,14 @@ def _one_prompt(value: Any) -> Any:
     return value
 
 
+def _one_string_list(schema: dict[str, Any]) -> None:
+    """The published schema admits what the validator does: a list holding one string."""
+    schema["oneOf"] = [
+        *schema.get("oneOf", []),
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    ]
+
+
 Prompt = Annotated[
     Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list")],
     by_shape("a string or a list of token ids"),
@@ -51,7 +59,8 @@ class CompletionRequest(GatewayRequest):
     prompt: Prompt = Field(
         description=(
             "input prompt - a single string (or a list holding one string) or a list of token ids"
-        )
+        ),
+        json_schema_extra=_one_string_list,
     )
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = Field(
         default=None, description="return top tokens and their log-probabilities"

@@ -13,6 +13,7 @@ import pytest
 from starlette.routing import Route
 
 from gateway.app import GatewayApp, build_app
+from gateway.schemas.completions import CompletionRequest
 from gateway.settings import parse_config
 from gateway.state import GatewayState
 
@@ -173,3 +174,10 @@ async def test_metrics_have_no_created_series_and_count_lost_records(
     assert "\ngateway_usage_records_lost_total 0.0\n" in text
     app.state.admission.spool.lost = 3  # type: ignore[union-attr]
     assert "\ngateway_usage_records_lost_total 3.0\n" in (await client.get("/metrics")).text
+
+
+def test_the_published_prompt_schema_admits_a_one_string_list() -> None:
+    prompt = CompletionRequest.model_json_schema()["properties"]["prompt"]
+    assert {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1} in (
+        prompt["oneOf"]
+    )
