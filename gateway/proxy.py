@@ -56,7 +56,6 @@ log = logging.getLogger("gateway.proxy")
 # Fields only the gateway understands: consumed here, never sent to a worker.
 GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
 # vLLM schedules lower `priority` values first.
-WORKER_PRIORITY = {Tier.PRIORITY: -1, Tier.DEFAULT: 0, Tier.FLEX: 1}
 
 
 @dataclass(slots=True)
@@ -334,5 +333,5 @@ def _forward_body(parsed: Parsed, admitted: Admitted, endpoint: Endpoint) -> byt
         given = options if isinstance(options, dict) else {}
         forward["stream_options"] = {**given, "include_usage": True}
     if admitted.candidate.model.config.worker_priority:
-        forward["priority"] = WORKER_PRIORITY[admitted.tier]
+        forward["priority"] = admitted.tier.worker_priority
     return dumps(forward)

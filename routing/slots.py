@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from routing.scripts import Call
-from tiers.policy import Tier
+from tiers.policy import BY_RANK, Tier
 
 GRANTED, QUEUED, BUSY, FULL = 1, 2, 0, -1
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
@@ -117,14 +117,14 @@ class ModelSlots:
     def configure(self, utilization: dict[Tier, float], max_queue: int) -> None:
         """Tier ceilings and queue bound (set again by a config reload)."""
         self.max_queue = max_queue
-        self._utilization = [utilization[t] for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)]
+        self._utilization = [utilization[t] for t in BY_RANK]
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
     def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints in rotation: (url, max_concurrency, load penalty)."""
         self.capacity = sum(size for _, size, _ in endpoints)
         self.urls = [url for url, _, _ in endpoints]
-        self._ceilings = [self.capacity * u for u in self._utilization]
+        self._ceilings = [len(BY_RANK), *(self.capacity * u for u in self._utilization)]
         self._spec = {url: (size, penalty) for url, size, penalty in endpoints}
         self._endpoints = self._args(self.urls)
         # Ties in load go to the first endpoint listed: acquires take turns at the order.
@@ -204,9 +204,9 @@ def attempt(reply: Sequence[Any]) -> Attempt:
 
 def sweep_result(reply: Sequence[Any]) -> Sweep:
     state = reply[0]
-    queued = {Tier.PRIORITY: int(state[1]), Tier.DEFAULT: int(state[2]), Tier.FLEX: int(state[3])}
+    queued = {tier: int(state[1 + i]) for i, tier in enumerate(BY_RANK)}
     return Sweep(
-        ModelState(int(state[0]), queued, int(state[4])),
+        ModelState(int(state[0]), queued, int(state[1 + len(BY_RANK)])),
         [text(x) for x in reply[1]],
         [text(x) for x in reply[2]],
     )

@@ -6,6 +6,7 @@ model, flex only its spare 20 %, and each tier has its own queue timeout and pri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -19,11 +20,42 @@ class Tier(StrEnum):
 
     @property
     def rank(self) -> int:
-        """Queue order: lower ranks are served first."""
-        return _RANKS[self]
+        """Queue order: lower ranks are served first (the Redis scripts' tier index)."""
+        return TIERS[self].rank
+
+    @property
+    def worker_priority(self) -> int:
+        """vLLM's `priority` field for this tier (lower runs first), for models that ask."""
+        return TIERS[self].worker_priority
 
 
-_RANKS = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 2}
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """What the contract fixes for a tier: its place in the queue, what it tells workers
+    that schedule by priority, and the defaults of its config keys (`tiers.<name>`)."""
+
+    rank: int
+    worker_priority: int
+    max_utilization: float
+    queue_timeout_s: float
+    price_multiplier: float
+
+    def defaults(self) -> dict[str, float]:
+        return {
+            "max_utilization": self.max_utilization,
+            "queue_timeout_s": self.queue_timeout_s,
+            "price_multiplier": self.price_multiplier,
+        }
+
+
+# The tier table: adding a tier is a row here, a member of Tier and a field of TiersConfig.
+TIERS: dict[Tier, TierSpec] = {
+    Tier.PRIORITY: TierSpec(0, -1, max_utilization=1.0, queue_timeout_s=60.0, price_multiplier=1.5),
+    Tier.DEFAULT: TierSpec(1, 0, max_utilization=1.0, queue_timeout_s=30.0, price_multiplier=1.0),
+    Tier.FLEX: TierSpec(2, 1, max_utilization=0.8, queue_timeout_s=10.0, price_multiplier=0.5),
+}
+# Tiers in queue order (the order of the scripts' per-tier arguments and replies).
+BY_RANK: tuple[Tier, ...] = tuple(sorted(TIERS, key=lambda t: TIERS[t].rank))
 
 
 class TierPolicy(BaseModel):
@@ -34,11 +66,7 @@ class TierPolicy(BaseModel):
     price_multiplier: float = Field(1.0, ge=0.0, le=100.0)
 
 
-_DEFAULTS: dict[str, dict[str, float]] = {
-    "priority": {"max_utilization": 1.0, "queue_timeout_s": 60.0, "price_multiplier": 1.5},
-    "default": {"max_utilization": 1.0, "queue_timeout_s": 30.0, "price_multiplier": 1.0},
-    "flex": {"max_utilization": 0.8, "queue_timeout_s": 10.0, "price_multiplier": 0.5},
-}
+_DEFAULTS = {tier.value: spec.defaults() for tier, spec in TIERS.items()}
 
 
 class TiersConfig(BaseModel):

@@ -1,14 +1,14 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 waiter_ttl_ms,
---       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10..12 ceilings (priority, default,
---       flex), 13.. endpoints (n, then url, max, penalty triples), then known (0|1: this
+--       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10.. ceilings (n, then one per
+--       tier, best first), then endpoints (n, then url, max, penalty triples), then known (0|1: this
 --       replica has seen the model's state before) and rebuild_ms (see `lost`)
 -- Returns {status, endpoint, inflight, ahead, seq, rebuild}: status 1 granted, 2 queued
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
 -- tier); rebuild = ms left of the rebuild window when that is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local ceilings = ceilings_at(10)
-local eps, at = endpoints(13)
+local ceilings, after = ceilings_at(10)
+local eps, at = endpoints(after)
 local now = now_ms()
 expire(now)
 lost(now, ARGV[at], ARGV[at + 1])

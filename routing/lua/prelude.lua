@@ -84,7 +84,7 @@ end
 -- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
 -- default's must not stall the default queue).
 local function eligible_head(inflight, ceilings)
-  for rank = 0, 2 do
+  for rank = 0, #ceilings - 1 do
     if inflight < ceilings[rank + 1] then
       local head = redis.call('ZRANGEBYSCORE', KEYS[2], score(rank * RANK),
         '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
@@ -147,6 +147,10 @@ local function hold(id, ep, expiry)
   return 1
 end
 
+-- The tiers' ceilings, best tier first: ARGV[from] = how many tiers, then one ceiling each.
+-- Returns them and the index of the argument after them.
 local function ceilings_at(from)
-  return {tonumber(ARGV[from]), tonumber(ARGV[from + 1]), tonumber(ARGV[from + 2])}
+  local ceilings = {}
+  for i = 1, tonumber(ARGV[from]) do ceilings[i] = tonumber(ARGV[from + i]) end
+  return ceilings, from + #ceilings + 1
 end

@@ -1,11 +1,13 @@
 -- Give slots back (or take waiters out of the queue) and hand freed slots on.
--- ARGV: 1 claim_ms, 2 channel, 3..5 ceilings, 6.. endpoints, then n and n lease/waiter ids.
+-- ARGV: 1 claim_ms, 2 channel, 3.. ceilings (n, then one per tier), then endpoints, then n
+-- and n lease/waiter ids.
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
 local now = now_ms()
 expire(now)
-local eps, at = endpoints(6)
+local ceilings, after = ceilings_at(3)
+local eps, at = endpoints(after)
 local freed = 0
 for i = at + 1, at + tonumber(ARGV[at]) do
   freed = freed + drop_lease(ARGV[i])
@@ -13,4 +15,4 @@ for i = at + 1, at + tonumber(ARGV[at]) do
   redis.call('ZREM', KEYS[7], ARGV[i])
 end
 if freed > 0 then redis.call('INCRBY', KEYS[6], freed) end
-return pump(now, tonumber(ARGV[1]), ceilings_at(3), eps, ARGV[2])
+return pump(now, tonumber(ARGV[1]), ceilings, eps, ARGV[2])

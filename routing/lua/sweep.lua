@@ -4,16 +4,18 @@
 --  3. keep its waiters alive in the queue, re-queue those Redis lost (original place), and
 --     claim those granted meanwhile (a wake-up message may have been lost);
 --  4. hand free slots on; 5. report the model's state.
--- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5..7 ceilings, 8.. endpoints,
+-- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5.. ceilings (n, then one per
+--       tier, best first), then endpoints,
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
 --       rebuild_ms: how long grants pause once this sweep had to write anything back, and
 --       known (0|1: this replica has seen the model's state before).
--- Returns {{inflight, queued priority, default, flex, freed so far}, written-back lease ids,
+-- Returns {{inflight, queued per tier (best first), freed so far}, written-back lease ids,
 --          one entry per waiter: its granted endpoint or ''}.
 local now = now_ms()
 expire(now)
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[3])
-local eps, at = endpoints(8)
+local ceilings, after = ceilings_at(5)
+local eps, at = endpoints(after)
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
 lost(now, ARGV[tail + 1], ARGV[tail])
@@ -47,9 +49,11 @@ end
 if #restored + requeued > 0 and not rebuilding() then
   redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
-pump(now, tonumber(ARGV[2]), ceilings_at(5), eps, ARGV[4])
+pump(now, tonumber(ARGV[2]), ceilings, eps, ARGV[4])
 local function queued(rank)
   return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))
 end
-return {{redis.call('ZCARD', KEYS[1]), queued(0), queued(1), queued(2),
-  tonumber(redis.call('GET', KEYS[6]) or '0')}, restored, granted}
+local state = {redis.call('ZCARD', KEYS[1])}
+for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
+state[#state + 1] = tonumber(redis.call('GET', KEYS[6]) or '0')
+return {state, restored, granted}

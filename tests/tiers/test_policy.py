@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from tiers.policy import Tier, TierPolicy, TiersConfig
+from tiers.policy import BY_RANK, TIERS, Tier, TierPolicy, TiersConfig
 
 
 def test_rank_orders_priority_default_flex() -> None:
@@ -65,3 +65,17 @@ def test_free_tier_price_allowed() -> None:
 def test_policies_are_frozen() -> None:
     with pytest.raises(pydantic.ValidationError):
         TiersConfig().flex.max_utilization = 1.0  # type: ignore[misc]
+
+
+def test_the_tier_table_is_whole_and_ordered() -> None:
+    """Every tier has one row; ranks are 0..n-1 (the scripts' tier index); BY_RANK is the
+    order of the scripts' per-tier arguments; the config's fields are the tiers."""
+    assert set(TIERS) == set(Tier)
+    assert sorted(spec.rank for spec in TIERS.values()) == list(range(len(Tier)))
+    assert [TIERS[t].rank for t in BY_RANK] == list(range(len(Tier)))
+    assert set(TiersConfig.model_fields) == {t.value for t in Tier}
+    assert [t.worker_priority for t in BY_RANK] == sorted(t.worker_priority for t in Tier)
+
+
+def test_worker_priority_is_vllms_lower_first() -> None:
+    assert [t.worker_priority for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)] == [-1, 0, 1]
