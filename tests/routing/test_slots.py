@@ -11,6 +11,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
+import routing.slots as slots_module
 from routing.scripts import Scripts
 from routing.slots import (
     BUSY,
@@ -27,7 +28,7 @@ from routing.slots import (
     sweep_result,
     text,
 )
-from tiers.policy import Tier
+from tiers.policy import BY_RANK, Tier
 
 A, B = "http://a:8000", "http://b:8000"
 TTL_MS = 30_000
@@ -601,3 +602,32 @@ async def test_equal_loads_take_turns(real_redis: aioredis.Redis) -> None:
         picked.append((await m.acquire(f"t{i}")).endpoint)
         await m.release(f"t{i}")
     assert picked.count(A) == 3 and picked.count(B) == 3
+
+
+async def test_the_scripts_take_any_number_of_tiers(
+    real_redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fourth tier (behind flex) is no Lua edit: ceilings go as a counted list and the
+    sweep answers one queue length per tier."""
+
+    class Bulk:  # a stand-in for a fourth Tier member: what the scripts see of a tier
+        rank = 3
+
+    bulk: Any = Bulk()
+    monkeypatch.setattr(slots_module, "BY_RANK", (*BY_RANK, bulk))
+    utilization = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 1.0, bulk: 1.0}
+    made = ModelSlots("m", utilization, 10, TIMING)
+    made.set_endpoints([(A, 1, 0.0), (B, 1, 0.0)])
+    m = Model(real_redis, made)
+    assert (await m.acquire("l1")).status == GRANTED
+    assert (await m.acquire("l2")).status == GRANTED
+    assert (await m.acquire("w-bulk", bulk, may_wait=True)).status == QUEUED
+    assert (await m.acquire("w-flex", Tier.FLEX, may_wait=True)).status == QUEUED
+    assert await m.queue() == ["w-flex", "w-bulk"]
+    state = (await m.sweep()).state
+    assert state.queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 1, bulk: 1}
+    assert await m.release("l1") == 1
+    assert await m.queue() == ["w-bulk"]
+    assert await m.release("l2") == 1
+    assert await m.queue() == []
+    await m.release("w-flex", "w-bulk")
