@@ -8,15 +8,15 @@ import pytest
 from tiers.policy import BY_RANK, TIERS, Tier, TierPolicy, TiersConfig
 
 
-def test_rank_orders_priority_default_flex() -> None:
-    assert sorted(Tier, key=lambda t: t.rank) == [Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX]
-    assert [t.rank for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)] == [0, 1, 2]
+def test_queue_order_is_priority_default_flex() -> None:
+    """The contract's order (docs/api.md), not the enum's declaration order restated."""
+    assert BY_RANK == (Tier("priority"), Tier("default"), Tier("flex"))
 
 
-def test_tier_values_are_the_wire_names() -> None:
-    assert {t.value for t in Tier} == {"priority", "default", "flex"}
-    assert Tier("flex") is Tier.FLEX
-    assert Tier.PRIORITY == "priority"
+def test_body_and_header_values_name_the_tiers() -> None:
+    assert {Tier(name) for name in ("priority", "default", "flex")} == set(Tier)
+    with pytest.raises(ValueError):
+        Tier("auto")  # an alias of the body field, resolved in tiers/resolve.py
 
 
 def test_policy_returns_each_tiers_own_policy() -> None:
