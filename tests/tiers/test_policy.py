@@ -10,7 +10,7 @@ from tiers.policy import BY_RANK, TIERS, Tier, TierPolicy, TiersConfig
 
 def test_queue_order_is_priority_default_flex() -> None:
     """The contract's order (docs/api.md), not the enum's declaration order restated."""
-    assert BY_RANK == (Tier("priority"), Tier("default"), Tier("flex"))
+    assert (Tier("priority"), Tier("default"), Tier("flex")) == BY_RANK
 
 
 def test_body_and_header_values_name_the_tiers() -> None:
