@@ -164,10 +164,8 @@ class Admission:
         for cand in candidates:
             tier, walk.at = tier_of(cand.model), cand.model.name
             if self.slots[cand.model.name].capacity == 0:
-                last = Unavailable(
-                    f"{cand.model.name!r} has no healthy endpoint.",
-                    UnavailableReason.NO_HEALTHY_ENDPOINT,
-                )
+                why = f"{cand.model.name!r} has no healthy endpoint."
+                last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
             result = await self._try_past_rebuild(walk, cand, tier)
             endpoint = await self._settle(walk, cand, tier, result)
