@@ -39,10 +39,10 @@ sys.path.insert(1, str(ROOT / "bench"))
 
 import harness  # noqa: E402
 
-from gateway.errors import RateLimited  # noqa: E402
 from gateway.settings import parse_config  # noqa: E402
 from routing import resp  # noqa: E402
 from routing.admission import Admission  # noqa: E402
+from routing.errors import Limited  # noqa: E402
 from routing.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
 from routing.resp import RespClient  # noqa: E402
@@ -134,7 +134,7 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     async def rejected() -> None:
         try:
             await admission.admit(plan, lambda m: Tier.DEFAULT, "bench", 1000)
-        except RateLimited:
+        except Limited:
             return
         raise AssertionError("admitted past capacity")
 

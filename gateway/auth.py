@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
 from gateway.settings import KeyConfig, digest_key
+from routing.errors import UnavailableReason
 from routing.storeerrors import StoreErrors
 from tiers.policy import Tier
 
@@ -108,7 +109,10 @@ class KeyStore:
             raw = await self._redis.hget(KEYS_HASH, digest)
         except RedisError as exc:
             self._store_errors.report(exc, "keys", refused=True)
-            raise ServiceUnavailable("The key store is unreachable; try again shortly.") from exc
+            raise ServiceUnavailable(
+                "The key store is unreachable; try again shortly.",
+                reason=UnavailableReason.KEY_STORE_UNREACHABLE,
+            ) from exc
         account = _account_from_record(digest, raw) if raw is not None else None
         ttl = self._ttl if account is not None else self._negative_ttl
         self._cache[digest] = (now + ttl, account)

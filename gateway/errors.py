@@ -1,14 +1,27 @@
 """The gateway's one exception tree, and the only place status codes are decided.
 
 Every error a caller can see is a `GatewayError`: it carries the HTTP status and the
-OpenAI error envelope fields. Lower layers (routing, tiers, upstream) raise these, translated
-from aiohttp/redis errors at their own boundary; the edge renders them. No Starlette here, so
-routing can import it.
+OpenAI error envelope fields. The gateway's own modules raise these; routing raises its own
+errors as data (routing/errors.py), which `from_routing` translates here, once, where the
+gateway catches them. No Starlette here.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from routing.errors import (
+    Limited,
+    LimitReason,
+    RoutingError,
+    Unavailable,
+    UnavailableReason,
+    UnknownModel,
+    WorkerBrokeOff,
+    WorkerFailed,
+    WorkerTimeout,
+    WorkerUnreachable,
+)
 
 
 class GatewayError(Exception):
@@ -102,8 +115,9 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
-        super().__init__(message, code=code, headers={"retry-after": str(max(1, retry_after_s))})
+    def __init__(self, message: str, *, code: LimitReason, retry_after_s: int) -> None:
+        headers = {"retry-after": str(max(1, retry_after_s))}
+        super().__init__(message, code=LimitReason(code).value, headers=headers)
         self.retry_after_s = max(1, retry_after_s)
 
 
@@ -153,17 +167,48 @@ class UpstreamBroken(UpstreamFailed):
 
 
 class ServiceUnavailable(GatewayError):
-    """Nothing can serve: no healthy endpoint, store down under on_outage=reject, shutdown."""
+    """Nothing can serve: no healthy endpoint, store down under on_outage=reject, shutdown.
+    No `Retry-After`: nobody can tell when it ends."""
 
     status = 503
     type = "api_error"
     code = "service_unavailable"
+
+    def __init__(self, message: str, *, reason: UnavailableReason) -> None:
+        shutting_down = reason is UnavailableReason.SHUTTING_DOWN
+        super().__init__(message, code=reason.value if shutting_down else None)
+        self.reason = reason
 
 
 class UpstreamTimeout(GatewayError):
     status = 504
     type = "api_error"
     code = "upstream_timeout"
+
+
+# Worker failures, one class each (its name is the `kind` label of gateway_upstream_errors).
+_WORKER: dict[type[RoutingError], type[GatewayError]] = {
+    WorkerUnreachable: UpstreamUnavailable,
+    WorkerBrokeOff: UpstreamBroken,
+    WorkerFailed: UpstreamFailed,
+    WorkerTimeout: UpstreamTimeout,
+}
+
+
+def from_routing(exc: RoutingError) -> GatewayError:
+    """Routing's error as the caller's answer: the one place its status, code and
+    `Retry-After` are decided (429 per limit reason, 503 per unavailable reason)."""
+    error: GatewayError
+    if isinstance(exc, Limited):
+        error = RateLimited(exc.message, code=exc.reason, retry_after_s=exc.retry_after_s)
+    elif isinstance(exc, Unavailable):
+        error = ServiceUnavailable(exc.message, reason=exc.reason)
+    elif isinstance(exc, UnknownModel):
+        error = ModelNotFound(exc.message)
+    else:
+        error = _WORKER[type(exc)](exc.message)
+    error.model = exc.model
+    return error
 
 
 def _field(error: dict[str, Any]) -> str | None:

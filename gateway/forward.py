@@ -7,11 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.edge import ClientGone, Send, send_error, send_json
-from gateway.errors import GatewayError, ServiceUnavailable, UpstreamBroken, UpstreamUnavailable
+from gateway.errors import (
+    GatewayError,
+    ServiceUnavailable,
+    UpstreamBroken,
+    UpstreamUnavailable,
+    from_routing,
+)
 from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
 from gateway.state import GatewayState
 from routing.admission import Admitted
 from routing.endpoints import Endpoint
+from routing.errors import RoutingError, UnavailableReason, WorkerUnreachable
 from routing.upstream import UpstreamResponse
 
 _SSE_HEADERS = [
@@ -72,8 +79,8 @@ class Hop:
         try:
             self.endpoint = await self._find_endpoint()
             resp = await self._open(self.endpoint)
-        except GatewayError as exc:
-            await self._fail(exc)
+        except (GatewayError, RoutingError) as exc:
+            await self._fail(_answer(exc))
             return
         endpoint = self.endpoint
         endpoint.inflight += 1
@@ -101,14 +108,15 @@ class Hop:
         if endpoint is None:
             raise ServiceUnavailable(
                 f"No endpoint of {lease.model!r} known to this gateway has room (its config "
-                "is changing); retry shortly."
+                "is changing); retry shortly.",
+                reason=UnavailableReason.NO_KNOWN_ENDPOINT,
             )
         return endpoint
 
     async def _open(self, endpoint: Endpoint) -> UpstreamResponse:
         try:
             return await self._post(endpoint)
-        except UpstreamUnavailable:
+        except WorkerUnreachable:
             self._state.health.unreachable(endpoint.url)
             lease = self._admitted.lease
             if lease.local or not await self._state.admission.reroute(lease, endpoint.url):
@@ -120,7 +128,7 @@ class Hop:
             self.endpoint = endpoint = moved
         try:
             return await self._post(endpoint)
-        except UpstreamUnavailable:
+        except WorkerUnreachable:
             self._state.health.unreachable(endpoint.url)
             raise
 
@@ -145,8 +153,8 @@ class Hop:
         model, tier = admitted.candidate.model.name, admitted.tier.value
         try:
             body = rewrite_answer(await resp.read(), model, tier, exchange.usage)
-        except GatewayError as exc:
-            await self._fail(exc)
+        except (GatewayError, RoutingError) as exc:
+            await self._fail(_answer(exc))
             return
         exchange.finished = True
         exchange.first_byte = time.perf_counter()
@@ -164,8 +172,8 @@ class Hop:
         # fails before its first byte still gets a plain HTTP error, not an SSE one.
         try:
             first = await anext(chunks, b"")
-        except GatewayError as exc:
-            await self._fail(exc)
+        except (GatewayError, RoutingError) as exc:
+            await self._fail(_answer(exc))
             return
         rid = exchange.rid.encode("latin-1")
         headers = [*_SSE_HEADERS, (b"x-request-id", rid)]
@@ -184,8 +192,8 @@ class Hop:
                 if chunk is None:
                     break
                 out = rewriter.feed(chunk)
-        except GatewayError as exc:
-            failure = exc
+        except (GatewayError, RoutingError) as exc:
+            failure = _answer(exc)
         except OSError as exc:  # the server could not write to the caller: it is gone
             raise ClientGone() from exc
         await self._end_stream(rewriter, failure)
@@ -203,6 +211,12 @@ class Hop:
             self._count_error(type(failure or rewriter.error).__name__)
         exchange.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _answer(exc: GatewayError | RoutingError) -> GatewayError:
+    """The caller's answer to a failure of the hop: the worker's errors (routing/upstream.py)
+    are translated here, at the boundary; the gateway's own pass as they are."""
+    return exc if isinstance(exc, GatewayError) else from_routing(exc)
 
 
 def _worker_headers(endpoint: Endpoint, exchange: Exchange) -> dict[str, str]:

@@ -36,7 +36,13 @@ from gateway.edge import (
     request_id,
     send_error,
 )
-from gateway.errors import GatewayError, InternalError, RateLimited, ServiceUnavailable
+from gateway.errors import (
+    GatewayError,
+    InternalError,
+    RateLimited,
+    ServiceUnavailable,
+    from_routing,
+)
 from gateway.forward import Exchange, Hop
 from gateway.relay import Usage, error_event
 from gateway.schemas.common import GatewayRequest
@@ -45,6 +51,7 @@ from gateway.trace import trace_headers
 from routing.admission import Admission, Admitted
 from routing.affinity import affinity_key, rendezvous
 from routing.endpoints import Endpoint
+from routing.errors import RoutingError, UnavailableReason
 from routing.plan import plan_candidates
 from routing.registry import Model
 from tiers.policy import Tier
@@ -108,7 +115,9 @@ class Proxy:
         state = self._state
         try:
             if state.draining:
-                raise ServiceUnavailable("The gateway is shutting down.", code="shutting_down")
+                raise ServiceUnavailable(
+                    "The gateway is shutting down.", reason=UnavailableReason.SHUTTING_DOWN
+                )
             key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
             account = await state.keys.authenticate(key)
             limit = state.config.limits.max_body_bytes
@@ -133,10 +142,11 @@ class Proxy:
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
         try:
             admitted = await self._admit(parsed)
-        except GatewayError as exc:
-            self._rejected(parsed, exc)
+        except RoutingError as exc:  # translated here, where the answer is decided
+            error = from_routing(exc)
+            self._rejected(parsed, error)
             exchange.finished = True
-            await send_error(reply, exc, parsed.rid)
+            await send_error(reply, error, parsed.rid)
             return
         except asyncio.CancelledError:
             if exchange.caller_gone:
@@ -280,7 +290,8 @@ async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
         task.uncancel()  # answered here: the request ends normally
     exchange.finished = True
     error = ServiceUnavailable(
-        "The gateway shut down before the answer was complete.", code="shutting_down"
+        "The gateway shut down before the answer was complete.",
+        reason=UnavailableReason.SHUTTING_DOWN,
     )
     if not reply.ended:
         exchange.status = error.status

@@ -21,6 +21,7 @@ from gateway.errors import (
     UpstreamTimeout,
     WorkerRejected,
 )
+from routing.errors import LimitReason
 
 MAX_ERROR_MESSAGE = 1000
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -53,7 +54,7 @@ def worker_error(status: int, body: bytes) -> GatewayError:
         return UpstreamTimeout(f"The worker timed out: {message}")
     if status == 429:
         return RateLimited(
-            f"The worker is overloaded: {message}", code="model_busy", retry_after_s=1
+            f"The worker is overloaded: {message}", code=LimitReason.MODEL_BUSY, retry_after_s=1
         )
     if status in (401, 403, 404):
         # The caller's key is not what the worker judged; this is the fleet's misconfiguration.

@@ -1,8 +1,8 @@
 """Fleet-wide admission (docs/api.md): slots leased in Redis, a tiered queue, precise 429s.
 
 `Admission.admit` walks the request's candidates (routing.plan) and returns a `Lease` on one
-model's endpoint, or raises `RateLimited` with the last entry's reason. Every path out of a
-request calls `release`, whose calls leave at once whatever happens to the caller.
+model's endpoint, or raises `Limited` with the last entry's reason (routing/errors.py). Every
+path out of a request calls `release`, whose calls leave at once whatever happens to the caller.
 
 Nothing a replica takes in Redis is ever left to chance: what it holds is remembered in
 `holdings` and written back by every sweep (Redis restarted empty); whatever a call took
@@ -23,7 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.errors import GatewayError, RateLimited, ServiceUnavailable
+from routing.errors import Limited, LimitReason, RoutingError, Unavailable, UnavailableReason
 from routing.estimate import RetryAfter
 from routing.handback import Handback
 from routing.holdings import Holdings, Lease, Waiter
@@ -145,7 +145,7 @@ class Admission:
             except STORE_ERRORS as exc:
                 self.store_errors.report(exc, "admission", refused=True)
                 return self._outage(candidates, tier_of, walk, exc)
-        except GatewayError as exc:
+        except RoutingError as exc:
             exc.model = exc.model or walk.at
             raise
         finally:
@@ -160,11 +160,12 @@ class Admission:
         tier_of: Callable[[Model], Tier],
         started: float,
     ) -> Admitted:
-        last: GatewayError | None = None
+        last: RoutingError | None = None
         for cand in candidates:
             tier, walk.at = tier_of(cand.model), cand.model.name
             if self.slots[cand.model.name].capacity == 0:
-                last = ServiceUnavailable(f"{cand.model.name!r} has no healthy endpoint.")
+                why = f"{cand.model.name!r} has no healthy endpoint."
+                last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
             result = await self._try_past_rebuild(walk, cand, tier)
             endpoint = await self._settle(walk, cand, tier, result)
@@ -217,9 +218,9 @@ class Admission:
         if not walk.has_account:
             if result.status in (GRANTED, QUEUED):
                 self.handback.give_back(walk.lease_id, model, None)
-            raise RateLimited(
+            raise Limited(
                 f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
-                code="concurrency_limit",
+                LimitReason.CONCURRENCY_LIMIT,
                 retry_after_s=1,
             )
         return result
@@ -277,23 +278,23 @@ class Admission:
             raise reply
         if granted := text(reply):
             return granted
-        raise RateLimited(
+        raise Limited(
             f"Waited {timeout:g}s in the queue of {model!r} without a free slot.",
-            code="queue_timeout",
+            LimitReason.QUEUE_TIMEOUT,
             retry_after_s=self.retry_after(model, 0),
         )
 
-    def _rejection(self, model: Model, tier: Tier, result: Attempt) -> RateLimited:
+    def _rejection(self, model: Model, tier: Tier, result: Attempt) -> Limited:
         retry = self.retry_after(model.name, result.ahead)
         if result.status == FULL:
             message = f"The queue of {model.name!r} is full ({result.ahead} waiting)."
-            return RateLimited(message, code="queue_full", retry_after_s=retry)
+            return Limited(message, LimitReason.QUEUE_FULL, retry_after_s=retry)
         assert result.status == BUSY
         if tier is Tier.FLEX:
             message = f"No spare capacity on {model.name!r} for the flex tier."
-            return RateLimited(message, code="flex_no_capacity", retry_after_s=retry)
+            return Limited(message, LimitReason.FLEX_NO_CAPACITY, retry_after_s=retry)
         message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
-        return RateLimited(message, code="model_busy", retry_after_s=retry)
+        return Limited(message, LimitReason.MODEL_BUSY, retry_after_s=retry)
 
     def _outage(
         self,
@@ -305,27 +306,28 @@ class Admission:
         """Redis did not answer: 503, or (on_outage: local) this replica's share."""
         self.holdings.waiters.pop(walk.lease_id, None)
         if self.on_outage != "local":
-            raise ServiceUnavailable(
-                "The admission store (Redis) is unreachable; try again shortly."
+            raise Unavailable(
+                "The admission store (Redis) is unreachable; try again shortly.",
+                UnavailableReason.STORE_UNREACHABLE,
             ) from exc
-        last: GatewayError | None = None
+        last: RoutingError | None = None
         for cand in candidates:
             tier, model = tier_of(cand.model), cand.model.name
             walk.at = model
             if self.local.limit(model) == 0:
-                last = ServiceUnavailable(
+                last = Unavailable(
                     f"Redis is unreachable and this replica's share of {model!r} is 0 "
-                    f"({self.local.replicas or 'unknown'} replicas)."
+                    f"({self.local.replicas or 'unknown'} replicas).",
+                    UnavailableReason.NO_LOCAL_SHARE,
                 )
             elif self.local.room(model, tier, self.holdings.holding(model)):
                 lease = Lease(walk.lease_id, model, "", walk.akey, 0.0, local=True)
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier)
             else:
-                last = RateLimited(
-                    f"{model!r} has no free slot in this replica's share.",
-                    code="flex_no_capacity" if tier is Tier.FLEX else "model_busy",
-                    retry_after_s=1,
+                busy = LimitReason.FLEX_NO_CAPACITY if tier is Tier.FLEX else LimitReason.MODEL_BUSY
+                last = Limited(
+                    f"{model!r} has no free slot in this replica's share.", busy, retry_after_s=1
                 )
         assert last is not None
         raise last from exc
@@ -335,7 +337,7 @@ class Admission:
         than being cut when the grace period ends."""
         for waiter in self.holdings.waiters.values():
             if not waiter.future.done():
-                waiter.future.set_exception(ServiceUnavailable(why, code="shutting_down"))
+                waiter.future.set_exception(Unavailable(why, UnavailableReason.SHUTTING_DOWN))
 
     # --- leases --------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from gateway.errors import ModelNotFound
+from routing.errors import UnknownModel
 from routing.registry import Model, Registry
 
 
@@ -35,7 +35,7 @@ def plan_candidates(
             known.append((index, model))
     if not known:
         shown = ", ".join(repr(n[:256]) for n in names)
-        raise ModelNotFound(f"The model {shown} does not exist or is not available to this key.")
+        raise UnknownModel(f"The model {shown} does not exist or is not available to this key.")
     last = len(known) - 1
     return [
         Candidate(model, index, may_wait=(pos == last and not fail_fast))

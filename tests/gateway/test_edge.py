@@ -35,6 +35,7 @@ from gateway.errors import (
     ServiceUnavailable,
     UpstreamFailed,
 )
+from routing.errors import UnavailableReason
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -480,7 +481,7 @@ def test_429_keeps_retry_after_and_allows_retry() -> None:
         ModelNotFound("no such model"),
         PayloadTooLarge("too big"),
         UpstreamFailed("broken"),
-        ServiceUnavailable("down"),
+        ServiceUnavailable("down", reason=UnavailableReason.NO_HEALTHY_ENDPOINT),
         RateLimited("busy", code="queue_full", retry_after_s=0),
     ],
 )

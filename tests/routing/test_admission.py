@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.errors import RateLimited, ServiceUnavailable
+from gateway.errors import from_routing
 from gateway.settings import GatewayConfig, parse_config
 from routing.admission import Admission, Admitted, Lease
+from routing.errors import Limited, Unavailable
 from routing.keeper import Keeper
 from routing.ledger import UsageSettings, UsageSpool
 from routing.plan import Candidate, plan_candidates
@@ -257,12 +258,12 @@ def watch_queued(adm: Admission) -> asyncio.Queue[str]:
     return queued
 
 
-async def expect_limited(awaitable: Awaitable[Any], code: str) -> RateLimited:
-    with pytest.raises(RateLimited) as caught:
+async def expect_limited(awaitable: Awaitable[Any], code: str) -> Limited:
+    with pytest.raises(Limited) as caught:
         await bounded(awaitable)
-    assert caught.value.code == code
+    assert caught.value.reason == code
     assert caught.value.retry_after_s >= 1
-    assert int(caught.value.headers["retry-after"]) == caught.value.retry_after_s
+    assert int(from_routing(caught.value).headers["retry-after"]) == caught.value.retry_after_s
     return caught.value
 
 
@@ -669,9 +670,9 @@ def dead_redis(fleet: Fleet) -> aioredis.Redis:
 
 async def test_outage_rejects_under_reject(fleet: Fleet) -> None:
     adm = await fleet.admission(redis=dead_redis(fleet))
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(Unavailable):
         await admit(adm, fleet.plan("two"))
-    with pytest.raises(ServiceUnavailable):
+    with pytest.raises(Unavailable):
         await admit(adm, fleet.plan("two", "five", fail_fast=True))
     assert adm.waiters == {}
     assert adm.held == {}
@@ -680,7 +681,7 @@ async def test_outage_rejects_under_reject(fleet: Fleet) -> None:
 async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
     adm = await fleet.admission(on_outage="local", redis=dead_redis(fleet))
     # A replica that never saw the fleet cannot know its share: it admits nothing.
-    with pytest.raises(ServiceUnavailable, match="share"):
+    with pytest.raises(Unavailable, match="share"):
         await admit(adm, fleet.plan("two"))
     adm.local.saw([adm.replica_id])  # the last heartbeat saw this replica alone
     held = [(await admit(adm, fleet.plan("two"))).lease for _ in range(2)]
@@ -704,7 +705,7 @@ async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
     if first:
         await bounded(adm.release((await admit(adm, fleet.plan("one"))).lease))
     else:
-        with pytest.raises(ServiceUnavailable, match="share"):
+        with pytest.raises(Unavailable, match="share"):
             await admit(adm, fleet.plan("one"))
     await bounded(adm.release(one))
 
@@ -774,15 +775,15 @@ async def test_randomized_concurrent_requests_never_exceed_capacity(
         await asyncio.sleep(rng.uniform(0, 0.5))  # arrivals spread out
         try:
             admitted = await adm.admit(candidates, tier_is(tier), account, limits[account])
-        except RateLimited as exc:
-            assert exc.code in {
+        except Limited as exc:
+            assert exc.reason in {
                 "model_busy",
                 "flex_no_capacity",
                 "queue_full",
                 "queue_timeout",
                 "concurrency_limit",
             }
-            codes[exc.code] += 1
+            codes[exc.reason] += 1
             return "limited"
         lease = admitted.lease
         keys = [(lease.model, capacity[lease.model]), (lease.endpoint, sizes[lease.endpoint])]
@@ -839,7 +840,7 @@ async def test_an_error_reply_gives_back_what_the_other_call_took(fleet: Fleet) 
     adm = await fleet.admission()
     await fleet.redis.set("gw:{two}:leases", "not a zset")  # the acquire will fail
     try:
-        with pytest.raises(ServiceUnavailable):
+        with pytest.raises(Unavailable):
             await admit(adm, fleet.plan("two"))
         await bounded(adm.drain())
         assert await fleet.account() == 0  # the account call had taken an entry: given back
@@ -927,7 +928,7 @@ async def test_calls_that_never_left_leave_nothing_in_doubt(fleet: Fleet) -> Non
         pytest.skip("only the lean client knows a call was never written")
     adm = await fleet.admission(redis=dead_redis(fleet))
     for _ in range(3):
-        with pytest.raises(ServiceUnavailable):
+        with pytest.raises(Unavailable):
             await admit(adm, fleet.plan("two"))
     assert adm.holdings.orphans == {}
 

@@ -6,7 +6,8 @@ from collections.abc import Collection, Sequence
 
 import pytest
 
-from gateway.errors import ModelNotFound
+from gateway.errors import from_routing
+from routing.errors import UnknownModel
 from routing.plan import Candidate, plan_candidates
 from routing.registry import ModelConfig, Registry
 
@@ -80,15 +81,15 @@ def test_only_last_candidate_may_wait() -> None:
     ("requested", "fallbacks"), [("nope", None), ("a", ["x", "y"]), ("x", ["y", "y"])]
 )
 def test_all_unknown_is_model_not_found(requested: str, fallbacks: list[str] | None) -> None:
-    with pytest.raises(ModelNotFound) as info:
+    with pytest.raises(UnknownModel) as info:
         plan(requested, fallbacks)
-    assert info.value.status == 404
-    assert info.value.code == "model_not_found"
+    assert from_routing(info.value).status == 404
+    assert from_routing(info.value).code == "model_not_found"
     assert repr((fallbacks or [requested])[0]) in info.value.message
 
 
 def test_not_found_message_is_bounded() -> None:
-    with pytest.raises(ModelNotFound) as info:
+    with pytest.raises(UnknownModel) as info:
         plan("x" * 10_000)
     assert len(info.value.message) < 400
 
@@ -102,9 +103,9 @@ def test_allowed_restricts() -> None:
 
 
 def test_nothing_allowed_is_model_not_found() -> None:
-    with pytest.raises(ModelNotFound):
+    with pytest.raises(UnknownModel):
         plan("a", allowed=set())
-    with pytest.raises(ModelNotFound):
+    with pytest.raises(UnknownModel):
         plan("a", ["a", "b"], allowed={"c"})
 
 
