@@ -87,7 +87,7 @@ class Hop:
         try:
             self._state.health.answered(endpoint.url, resp.status)
             if resp.status != 200:
-                await self._fail(worker_error(resp.status, await resp.read()))
+                await self._fail(await _worker_refusal(resp))
             elif self._exchange.stream:
                 await self._relay_stream(resp)
             else:
@@ -211,6 +211,15 @@ class Hop:
             self._count_error(type(failure or rewriter.error).__name__)
         exchange.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _worker_refusal(resp: UpstreamResponse) -> GatewayError:
+    """The worker's own error answer, passed on; if its body cannot be read (too large,
+    broke off, stalled), that failure instead: a 502 or 504, never a 500."""
+    try:
+        return worker_error(resp.status, await resp.read())
+    except RoutingError as exc:
+        return _answer(exc)
 
 
 def _answer(exc: GatewayError | RoutingError) -> GatewayError:

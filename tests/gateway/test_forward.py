@@ -16,6 +16,7 @@ from gateway.relay import Usage
 from gateway.settings import parse_config
 from gateway.state import GatewayState
 from routing.admission import Admitted
+from routing.errors import WorkerBrokeOff, WorkerFailed, WorkerTimeout
 from routing.plan import plan_candidates
 from tiers.policy import Tier
 
@@ -130,3 +131,39 @@ async def test_a_lease_on_an_unknown_endpoint_with_no_room_elsewhere_is_a_503(
     for lease in (admitted.lease, *(h.lease for h in holders)):
         await state.admission.release(lease)
     assert await state.redis.zcard(state.admission.slots["m1"].keys[0]) == 0
+
+
+class BrokenRefusal(Answer):
+    """A worker's error answer whose body cannot be read."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.status = 400
+        self._failure = failure
+
+    async def read(self) -> bytes:
+        raise self._failure
+
+
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [
+        (WorkerTimeout("The worker stopped answering."), 504),
+        (WorkerBrokeOff("The worker's answer broke off."), 502),
+        (WorkerFailed("The worker's answer is too large."), 502),
+    ],
+)
+async def test_an_error_answer_whose_body_fails_is_a_502_or_504_never_a_500(
+    state: GatewayState, monkeypatch: pytest.MonkeyPatch, failure: Exception, status: int
+) -> None:
+    upstream = state.upstream
+    assert isinstance(upstream, Recording)
+
+    async def refusing(url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        return BrokenRefusal(failure)
+
+    monkeypatch.setattr(upstream, "post", refusing)
+    admitted = await admit(state)
+    exchange, sent = await hop(state, admitted)
+    assert (exchange.status, sent[0]["status"]) == (status, status)
+    assert orjson.loads(sent[1]["body"])["error"]["message"] == str(failure)
+    await state.admission.release(admitted.lease)
