@@ -1,7 +1,7 @@
 """The process's log lines: text for people or JSON for log pipelines, quiet by default.
 
 At INFO only what an operator acts on: start, stop, endpoints in and out of rotation,
-reloads, store trouble. Health probes (httpx logs one line per request) stay below it, and
+reloads, store trouble. Health probes log nothing (aiohttp's client logs no requests), and
 one line per request (gateway.access) only with `--access-log`. Keys, prompts and
 completions are never in a log line.
 """
@@ -17,8 +17,6 @@ import orjson
 
 ACCESS_LOGGER = "gateway.access"
 FORMATS = ("text", "json")
-# Libraries that log every request they make at INFO (the health probes).
-_CHATTY = ("httpx", "httpcore")
 _TEXT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -84,6 +82,4 @@ def setup(fmt: str = "text", *, access_log: bool = False) -> None:
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python's warnings as log lines (JSON too)
-    for name in _CHATTY:
-        logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)

@@ -152,7 +152,7 @@ class GatewayState:
         await self.upstream.start()
         await self.admission.start()
         await self.keeper.start()
-        await self.health.start()
+        await self.health.start(self.upstream.session)
         if self.config_path is not None:
             self._watcher = ConfigWatcher(self.config_path, self.apply, self.background_errors)
             await self._watcher.start()
@@ -180,7 +180,7 @@ class GatewayState:
         self.health = self._new_health()
         self.health.adopt(previous)
         await previous.close()
-        await self.health.start()
+        await self.health.start(self.upstream.session)
         for gone in old_names - set(self.registry.names()):
             self.admission.set_endpoints(gone, [])
             self.metrics.capacity.labels(gone).set(0)

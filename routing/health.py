@@ -8,6 +8,9 @@ comes back with its next good probe. Endpoints with `metrics: true` also have th
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
 new requests to less loaded workers. Changes reach admission through `on_change`.
 
+Probes go over the aiohttp session it is given at start (the upstream hop's: one pool of
+connections to the workers per process), else over a session of its own.
+
 Signals about a URL this Health does not know are ignored: after a config reload, requests
 still running on an endpoint that left report on it, and nothing on their path may fail.
 """
@@ -20,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.background import BackgroundErrors, every
@@ -86,7 +89,13 @@ class Health:
                     known.size = max(known.size, e.max_concurrency)
                     known.scrape = known.scrape or e.metrics
         self._task: asyncio.Task[None] | None = None
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._owns_session = False
+        # Each of connecting (a free connection from the pool included) and every read
+        # is bounded by the probe timeout; a redirect is an answer, not followed.
+        self._timeout = aiohttp.ClientTimeout(
+            connect=settings.timeout_s, sock_read=settings.timeout_s
+        )
 
     def adopt(self, previous: Health) -> None:
         """A config reload: endpoints this one shares with `previous` keep their state."""
@@ -167,8 +176,11 @@ class Health:
                 health.up_since = self._clock()
             self._on_change({health.url})
 
-    async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.settings.timeout_s)
+    async def start(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Probe every `interval_s` over `session` (shared: left open on close), else over
+        a session of its own."""
+        self._owns_session = session is None
+        self._session = session if session is not None else aiohttp.ClientSession()
         # Through `every`: an unexpected error in one round (a worker's odd /metrics, a
         # failing `on_change`) is counted and the next round runs.
         probing = every("health", self.settings.interval_s, self.probe_all, self._errors)
@@ -178,8 +190,9 @@ class Health:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None and self._owns_session:
+            await self._session.close()
+        self._session = None
 
     async def probe_all(self) -> None:
         """One round: every endpoint probed, even when one probe fails unexpectedly; that
@@ -191,23 +204,28 @@ class Health:
                 raise result
 
     async def _probe(self, health: EndpointHealth) -> None:
-        assert self._client is not None
         try:
-            ok = (await self._client.get(health.url + "/health")).status_code == 200
+            ok = (await self._get(health.url + "/health"))[0] == 200
             penalty = await self._load(health) if ok and health.scrape else None
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, TimeoutError, OSError):
             ok, penalty = False, None
         self.probed(health.url, ok, penalty)
 
     async def _load(self, health: EndpointHealth) -> float | None:
-        assert self._client is not None
-        response = await self._client.get(health.url + "/metrics")
-        if response.status_code != 200:
+        status, text = await self._get(health.url + "/metrics")
+        if status != 200:
             return None
-        waiting = _gauge(response.text, _WAITING)
-        kv_cache = _gauge(response.text, _KV_CACHE)
+        waiting = _gauge(text, _WAITING)
+        kv_cache = _gauge(text, _KV_CACHE)
         # Queued requests wait behind running ones; a full KV cache preempts. Both count.
         return min(2.0, waiting / max(1, health.size)) + min(1.0, kv_cache)
+
+    async def _get(self, url: str) -> tuple[int, str]:
+        """Status and body, the whole body read (an answer that breaks off is a failure)."""
+        assert self._session is not None
+        get = self._session.get(url, timeout=self._timeout, allow_redirects=False)
+        async with get as response:
+            return response.status, await response.text(errors="replace")
 
 
 def _gauge(text: str, names: tuple[str, ...]) -> float:

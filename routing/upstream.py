@@ -105,6 +105,11 @@ class Upstream:
             skip_auto_headers=("User-Agent",),
         )
 
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The pooled session once started; the health probes share it."""
+        return self._session
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -14,7 +14,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.sim import SimOptions, build_sim_app
-from gateway.sim_load import Slots
+from gateway.sim.load import Slots
 
 StartSim = Callable[..., Awaitable[str]]
 

@@ -6,6 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -130,7 +131,10 @@ async def worker() -> AsyncIterator[tuple[str, dict[str, object]]]:
     control: dict[str, object] = {"health": 200, "waiting": 8.0}
 
     async def health_route(_: object) -> PlainTextResponse:
-        return PlainTextResponse("", status_code=int(str(control["health"])))
+        status = int(str(control["health"]))
+        # A redirect points at a page that answers 200: followed, it would pass.
+        moved = {"location": "/metrics"} if 300 <= status < 400 else None
+        return PlainTextResponse("", status_code=status, headers=moved)
 
     async def metrics_route(_: object) -> PlainTextResponse:
         waiting = control["waiting"]
@@ -200,3 +204,25 @@ async def test_an_unexpected_error_in_a_round_is_counted_and_probing_goes_on(
         await health.close()
     assert errors.counts["health"] == 1
     assert health.is_up(url)
+
+
+async def test_probes_over_a_lent_session_which_close_leaves_open(
+    worker: tuple[str, dict[str, object]],
+) -> None:
+    """The gateway lends the upstream hop's session; a redirect is an answer, not followed."""
+    url, control = worker
+    config = parse_config(
+        f'models: {{m: {{endpoints: [{{url: "{url}", max_concurrency: 4}}]}}}}', "t.yaml"
+    )
+    health = Health(Registry(config.models), HealthSettings(unhealthy_after=1), lambda _: None)
+    async with aiohttp.ClientSession() as session:
+        await health.start(session)
+        try:
+            await health.probe_all()
+            assert health.is_up(url)
+            control["health"] = 302
+            await health.probe_all()
+            assert not health.is_up(url)
+        finally:
+            await health.close()
+        assert not session.closed

@@ -1,4 +1,4 @@
-"""A simulated worker's load (gateway/sim.py): its FIFO generation slots, their peaks, and
+"""A simulated worker's load (gateway/sim/worker.py): its FIFO generation slots, their peaks, and
 the span each request spent at the worker."""
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.sim_load import Slots, Span
-from gateway.sim_text import BadRequest, Job, Reply, error_body, make_plan, parse_job
+from gateway.sim.load import Slots, Span
+from gateway.sim.text import BadRequest, Job, Reply, error_body, make_plan, parse_job
 
 FAULTS = frozenset({"hang", "error500", "die_mid_stream"})
 FINISH_REASONS = ("stop", "length", "abort")

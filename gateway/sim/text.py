@@ -1,6 +1,6 @@
 """What the simulated worker says: request parsing, deterministic text and the reply bodies.
 
-Pure functions and frozen records, no I/O, so `gateway.sim` stays about timing and HTTP.
+Pure functions and frozen records, no I/O, so `gateway.sim.worker` stays about timing and HTTP.
 One word is one token; the words come from a fixed list, picked by a PRNG seeded from the
 request's `seed` and its prompt, so the same request always gets the same answer.
 """

@@ -1,0 +1,9 @@
+"""`gateway sim`: a simulated vLLM-like GPU worker for demos, tests and benchmarks.
+
+A product feature beside the request path, not part of it: `worker` is the ASGI app (timing,
+HTTP and the `/sim/*` test seams), `text` what it says, `load` its generation slots and peaks.
+"""
+
+from gateway.sim.worker import SimOptions, build_sim_app
+
+__all__ = ["SimOptions", "build_sim_app"]
