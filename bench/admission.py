@@ -47,7 +47,6 @@ from routing.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
 from routing.resp import RespClient  # noqa: E402
 from tests.e2e import procs  # noqa: E402
-from tiers.policy import Tier  # noqa: E402
 
 KEY = "sk-bench"
 DEFAULT_OUT = ROOT / "bench" / "results" / f"admission-{dt.date.today().isoformat()}.json"
@@ -122,18 +121,18 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     plan = plan_candidates("bench", None, fail_fast=True, registry=registry, allowed=None)
 
     async def admit_release() -> None:
-        admitted = await admission.admit(plan, lambda m: Tier.DEFAULT, "bench", 1000)
+        admitted = await admission.admit(plan, "bench", 1000)
         await admission.release(admitted.lease)
 
     ping = await timed(n, client.ping)
     with RoundTrips() as trips:
         pairs = await timed(n, admit_release)
     per_request = trips.count / (n + min(50, n))
-    held = [await admission.admit(plan, lambda m: Tier.DEFAULT, "bench", 1000) for _ in range(2)]
+    held = [await admission.admit(plan, "bench", 1000) for _ in range(2)]
 
     async def rejected() -> None:
         try:
-            await admission.admit(plan, lambda m: Tier.DEFAULT, "bench", 1000)
+            await admission.admit(plan, "bench", 1000)
         except Limited:
             return
         raise AssertionError("admitted past capacity")

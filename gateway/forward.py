@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from gateway.edge import ClientGone, Send, send_error, send_json
+from gateway.edge import ClientGone, Send, dumps, send_error, send_json
 from gateway.errors import (
     GatewayError,
     ServiceUnavailable,
@@ -63,14 +64,14 @@ class Hop:
         exchange: Exchange,
         admitted: Admitted,
         path: str,
-        body_for: Callable[[Endpoint], bytes],
+        payload: Mapping[str, Any],
         send: Send,
     ) -> None:
         self._state = state
         self._exchange = exchange
         self._admitted = admitted
         self._path = path
-        self._body_for = body_for
+        self._payload = payload
         self._send = send
         # Known once `run` found it (looked up then, not before: a reload may come between).
         self.endpoint: Endpoint | None = None
@@ -135,7 +136,8 @@ class Hop:
     async def _post(self, endpoint: Endpoint) -> UpstreamResponse:
         headers = _worker_headers(endpoint, self._exchange)
         url = endpoint.url + self._path
-        return await self._state.upstream.post(url, self._body_for(endpoint), headers)
+        body = worker_body(self._payload, self._exchange.stream, self._admitted, endpoint)
+        return await self._state.upstream.post(url, body, headers)
 
     async def _fail(self, exc: GatewayError) -> None:
         self._exchange.status = exc.status
@@ -211,6 +213,28 @@ class Hop:
             self._count_error(type(failure or rewriter.error).__name__)
         exchange.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# The gateway's own body fields: consumed, never forwarded.
+GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
+
+
+def worker_body(
+    payload: Mapping[str, Any], stream: bool, admitted: Admitted, endpoint: Endpoint
+) -> bytes:
+    """The caller's body as this endpoint's worker should see it: unknown fields untouched,
+    `model` the name it serves, usage always asked for in a stream, and the tier as vLLM's
+    `priority` for models that schedule by it."""
+    forward = {k: v for k, v in payload.items() if k not in GATEWAY_ONLY}
+    forward["model"] = endpoint.upstream_model
+    if stream:
+        # Billing needs the worker's usage even when the caller does not want to see it.
+        options = forward.get("stream_options")
+        given = options if isinstance(options, dict) else {}
+        forward["stream_options"] = {**given, "include_usage": True}
+    if admitted.candidate.model.config.worker_priority:
+        forward["priority"] = admitted.tier.worker_priority
+    return dumps(forward)
 
 
 async def _worker_refusal(resp: UpstreamResponse) -> GatewayError:

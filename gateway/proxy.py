@@ -15,7 +15,6 @@ import time
 import traceback
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ from gateway.edge import (
     RequestHeaders,
     Scope,
     Send,
-    dumps,
     parse_body,
     read_body,
     read_headers,
@@ -48,20 +46,17 @@ from gateway.relay import Usage, error_event
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
 from gateway.trace import trace_headers
-from routing.admission import Admission, Admitted
-from routing.affinity import affinity_key, rendezvous
-from routing.endpoints import Endpoint
+from routing.admission import Admitted
+from routing.affinity import affinity_key
 from routing.errors import RoutingError, UnavailableReason
 from routing.plan import plan_candidates
-from routing.registry import Model
 from tiers.policy import Tier
-from tiers.resolve import applied_tier, requested_tier
+from tiers.resolve import requested_tier
 from tiers.usage import UsageRecord
 
 log = logging.getLogger("gateway.proxy")
 
 # Fields only the gateway understands: consumed here, never sent to a worker.
-GATEWAY_ONLY = ("models", "fail_fast", "service_tier")
 # vLLM schedules lower `priority` values first.
 
 
@@ -155,8 +150,8 @@ class Proxy:
             self._state.metrics.requests.labels("", "", str(exchange.status)).inc()
             return
         try:
-            body_for = partial(_forward_body, parsed, admitted)
-            await Hop(self._state, exchange, admitted, self._path, body_for, reply).run()
+            hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
+            await hop.run()
         except ClientGone:
             exchange.status = 499  # nginx's "client closed request", for metrics only
         except asyncio.CancelledError:
@@ -182,22 +177,18 @@ class Proxy:
 
     async def _admit(self, parsed: Parsed) -> Admitted:
         request, account = parsed.request, parsed.account
-        wanted = parsed.wanted
         candidates = plan_candidates(
             request.model,
             request.models,
             fail_fast=request.fail_fast,
             registry=self._state.registry,
             allowed=account.models,
+            wanted=parsed.wanted,
+            allowed_tiers=account.tiers,
         )
-        admission = self._state.admission
         cache_key = affinity_key(request.prompt_cache_key, getattr(request, "cache_salt", None))
-        admitted = await admission.admit(
-            candidates,
-            lambda model: applied_tier(wanted, model.tiers, account.tiers),
-            account.name,
-            account.max_concurrency,
-            None if cache_key is None else partial(_preferred, admission, cache_key),
+        admitted = await self._state.admission.admit(
+            candidates, account.name, account.max_concurrency, cache_key
         )
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name
@@ -327,22 +318,3 @@ def _where(exc: BaseException) -> str:
 
 _ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
 _PACKAGES = tuple(_ROOT + package + os.sep for package in ("gateway", "routing", "tiers"))
-
-
-def _preferred(admission: Admission, cache_key: str, model: Model) -> list[str]:
-    """The model's endpoints in this cache key's order (prefix-cache affinity)."""
-    return rendezvous(cache_key, admission.slots[model.name].urls)
-
-
-def _forward_body(parsed: Parsed, admitted: Admitted, endpoint: Endpoint) -> bytes:
-    """The caller's body as the worker should see it: unknown fields untouched."""
-    forward = {k: v for k, v in parsed.payload.items() if k not in GATEWAY_ONLY}
-    forward["model"] = endpoint.upstream_model
-    if parsed.request.stream:
-        # Billing needs the worker's usage even when the caller does not want to see it.
-        options = forward.get("stream_options")
-        given = options if isinstance(options, dict) else {}
-        forward["stream_options"] = {**given, "include_usage": True}
-    if admitted.candidate.model.config.worker_priority:
-        forward["priority"] = admitted.tier.worker_priority
-    return dumps(forward)

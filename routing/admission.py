@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.affinity import rendezvous
 from routing.errors import Limited, LimitReason, RoutingError, Unavailable, UnavailableReason
 from routing.estimate import RetryAfter
 from routing.handback import Handback
@@ -66,7 +67,7 @@ class _Walk:
     account: str
     akey: str  # the account's key in Redis
     limit: int
-    affinity: Callable[[Model], Sequence[str] | None] | None
+    cache_key: str | None  # prefix-cache affinity: the endpoints in this key's order
     # Whether the account's count holds an entry for this walk (taken with the first try).
     has_account: bool = False
     # The candidate being tried: an error out of the walk concerns it (its metric label).
@@ -132,19 +133,18 @@ class Admission:
     async def admit(
         self,
         candidates: Sequence[Candidate],
-        tier_of: Callable[[Model], Tier],
         account: str,
         account_limit: int,
-        affinity: Callable[[Model], Sequence[str] | None] | None = None,
+        cache_key: str | None = None,
     ) -> Admitted:
         lease_id = f"{self.replica_id}-{next(self._ids)}"
-        walk = _Walk(lease_id, account, account_key(account), account_limit, affinity)
+        walk = _Walk(lease_id, account, account_key(account), account_limit, cache_key)
         try:
             try:
-                return await self._walk(walk, candidates, tier_of, self._clock())
+                return await self._walk(walk, candidates, self._clock())
             except STORE_ERRORS as exc:
                 self.store_errors.report(exc, "admission", refused=True)
-                return self._outage(candidates, tier_of, walk, exc)
+                return self._outage(candidates, walk, exc)
         except RoutingError as exc:
             exc.model = exc.model or walk.at
             raise
@@ -157,12 +157,11 @@ class Admission:
         self,
         walk: _Walk,
         candidates: Sequence[Candidate],
-        tier_of: Callable[[Model], Tier],
         started: float,
     ) -> Admitted:
         last: RoutingError | None = None
         for cand in candidates:
-            tier, walk.at = tier_of(cand.model), cand.model.name
+            tier, walk.at = cand.tier, cand.model.name
             if self.slots[cand.model.name].capacity == 0:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
@@ -235,7 +234,9 @@ class Admission:
             # Registered before the call: a wake-up may arrive before the reply does.
             future = asyncio.get_running_loop().create_future()
             self.holdings.waiters[walk.lease_id] = Waiter(model, future)
-        preferred = walk.affinity(cand.model) if walk.affinity is not None else None
+        preferred = None
+        if walk.cache_key is not None:
+            preferred = rendezvous(walk.cache_key, self.slots[model].urls)
         calls.append(
             self.slots[model].acquire(
                 walk.lease_id, tier, may_wait=cand.may_wait, affinity=preferred
@@ -299,7 +300,6 @@ class Admission:
     def _outage(
         self,
         candidates: Sequence[Candidate],
-        tier_of: Callable[[Model], Tier],
         walk: _Walk,
         exc: BaseException,
     ) -> Admitted:
@@ -312,7 +312,7 @@ class Admission:
             ) from exc
         last: RoutingError | None = None
         for cand in candidates:
-            tier, model = tier_of(cand.model), cand.model.name
+            tier, model = cand.tier, cand.model.name
             walk.at = model
             if self.local.limit(model) == 0:
                 last = Unavailable(

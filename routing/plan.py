@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from routing.errors import UnknownModel
 from routing.registry import Model, Registry
+from tiers.policy import Tier
+from tiers.resolve import applied_tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +18,8 @@ class Candidate:
     index: int
     # Whether this entry may wait in the model's queue (only the last one, without fail_fast).
     may_wait: bool
+    # The tier this request rides on this model (the one asked for, if model and key allow it).
+    tier: Tier = Tier.DEFAULT
 
 
 def plan_candidates(
@@ -25,8 +29,11 @@ def plan_candidates(
     fail_fast: bool,
     registry: Registry,
     allowed: Collection[str] | None,
+    wanted: Tier = Tier.DEFAULT,
+    allowed_tiers: Collection[Tier] | None = None,
 ) -> list[Candidate]:
-    """Models to try in order. Unknown names (or names the key may not use) are skipped."""
+    """Models to try in order, each with the tier it applies. Unknown names (or names the
+    key may not use) are skipped."""
     names = list(dict.fromkeys(fallbacks)) if fallbacks else [requested]
     known: list[tuple[int, Model]] = []
     for index, name in enumerate(names):
@@ -38,6 +45,11 @@ def plan_candidates(
         raise UnknownModel(f"The model {shown} does not exist or is not available to this key.")
     last = len(known) - 1
     return [
-        Candidate(model, index, may_wait=(pos == last and not fail_fast))
+        Candidate(
+            model,
+            index,
+            may_wait=(pos == last and not fail_fast),
+            tier=applied_tier(wanted, model.tiers, allowed_tiers),
+        )
         for pos, (index, model) in enumerate(known)
     ]

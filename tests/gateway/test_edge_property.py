@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.edge import MAX_DEPTH, dumps, error_parts, parse_body
 from gateway.errors import RequestInvalid
-from gateway.proxy import _forward_body
+from gateway.forward import worker_body
 from tests.gateway.json_text import bodies, depth, has_lone_surrogate
 from tiers.policy import Tier
 
@@ -26,11 +26,10 @@ class Body(BaseModel):
 
 def forward(payload: dict[str, Any]) -> bytes:
     """The body a worker would get (streaming, with vLLM's priority), as the proxy builds it."""
-    parsed = SimpleNamespace(payload=payload, request=SimpleNamespace(stream=True))
     model = SimpleNamespace(config=SimpleNamespace(worker_priority=True))
     admitted = SimpleNamespace(candidate=SimpleNamespace(model=model), tier=Tier.FLEX)
     endpoint = SimpleNamespace(upstream_model="served")
-    return _forward_body(parsed, admitted, endpoint)  # type: ignore[arg-type]
+    return worker_body(payload, True, admitted, endpoint)  # type: ignore[arg-type]
 
 
 @settings(max_examples=300, deadline=None)

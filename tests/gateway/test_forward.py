@@ -18,7 +18,6 @@ from gateway.state import GatewayState
 from routing.admission import Admitted
 from routing.errors import WorkerBrokeOff, WorkerFailed, WorkerTimeout
 from routing.plan import plan_candidates
-from tiers.policy import Tier
 
 KNOWN = ("http://known-1:8000", "http://known-2:8000")
 ELSEWHERE = "http://only-in-another-replicas-config:8000"
@@ -80,7 +79,7 @@ async def admit(state: GatewayState, on: str | None = None) -> Admitted:
         candidates = plan_candidates(
             "m1", None, fail_fast=True, registry=state.registry, allowed=None
         )
-        return await state.admission.admit(candidates, lambda _: Tier.DEFAULT, "acct", 10)
+        return await state.admission.admit(candidates, "acct", 10)
     finally:
         slots.set_endpoints([(url, 1, 0.0) for url in KNOWN])  # this replica's own view
 
@@ -92,7 +91,7 @@ async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[M
         sent.append(message)
 
     exchange = Exchange("rid-1", time.perf_counter(), False, True, Usage())
-    await Hop(state, exchange, admitted, "/v1/completions", lambda _: b"{}", send).run()
+    await Hop(state, exchange, admitted, "/v1/completions", {}, send).run()
     return exchange, sent
 
 

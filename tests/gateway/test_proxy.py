@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway import proxy
+from gateway import forward, proxy
 from routing.ledger import USAGE_STREAM
 from tests.gateway.json_text import bodies
 from tests.gateway.test_app import KEY, STREAM, ScriptedResponse, _settled, make_app
@@ -117,7 +117,7 @@ async def test_failure_before_the_answer_is_a_500_envelope(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     app, upstream = make_app()
-    monkeypatch.setattr(proxy, "_forward_body", explode)
+    monkeypatch.setattr(forward, "worker_body", explode)
     rid = uuid.uuid4().hex
     with caplog.at_level(logging.ERROR, logger="gateway.proxy"):
         resp = await send(app, BASE + b"}", rid)

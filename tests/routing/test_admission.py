@@ -7,7 +7,7 @@ import asyncio
 import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from gateway.errors import from_routing
 from gateway.settings import GatewayConfig, parse_config
 from routing.admission import Admission, Admitted, Lease
+from routing.affinity import rendezvous
 from routing.errors import Limited, Unavailable
 from routing.keeper import Keeper
 from routing.ledger import UsageSettings, UsageSpool
@@ -214,10 +215,17 @@ async def admit(
     *,
     account: str = "t-acme",
     limit: int = 100,
-    affinity: Callable[[Model], Sequence[str] | None] | None = None,
+    cache_key: str | None = None,
 ) -> Admitted:
+    return await bounded(adm.admit(riding(candidates, tier), account, limit, cache_key))
+
+
+def riding(
+    candidates: Sequence[Candidate], tier: Tier | Callable[[Model], Tier]
+) -> list[Candidate]:
+    """The plan with each candidate's applied tier, as plan_candidates sets it."""
     tier_of = tier_is(tier) if isinstance(tier, Tier) else tier
-    return await bounded(adm.admit(candidates, tier_of, account, limit, affinity))
+    return [replace(c, tier=tier_of(c.model)) for c in candidates]
 
 
 async def fill(fleet: Fleet, adm: Admission, model: str, count: int) -> list[Lease]:
@@ -774,7 +782,7 @@ async def test_randomized_concurrent_requests_never_exceed_capacity(
         hold = rng.uniform(0, 0.02)
         await asyncio.sleep(rng.uniform(0, 0.5))  # arrivals spread out
         try:
-            admitted = await adm.admit(candidates, tier_is(tier), account, limits[account])
+            admitted = await adm.admit(riding(candidates, tier), account, limits[account])
         except Limited as exc:
             assert exc.reason in {
                 "model_busy",
@@ -856,7 +864,9 @@ async def test_reroute_keeps_the_slot_away_from_the_queue(fleet: Fleet) -> None:
     adm = await fleet.admission()
     await fleet.keeper(adm)
     queued = watch_queued(adm)
-    lease = (await admit(adm, fleet.plan("two"), affinity=lambda _: ["http://two-a:8000"])).lease
+    urls = adm.slots["two"].urls
+    key = next(k for k in map(str, range(100)) if rendezvous(k, urls)[0] == "http://two-a:8000")
+    lease = (await admit(adm, fleet.plan("two"), cache_key=key)).lease
     assert lease.endpoint == "http://two-a:8000"
     adm.set_endpoints("two", [("http://two-b:8000", 1, 0.0)])  # two-a is out of rotation
     waiter = asyncio.create_task(admit(adm, fleet.plan("two")))
@@ -949,9 +959,7 @@ async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuil
         await real_redis.flushdb()
         await expect_limited(admit(adm, fleet.plan("two", fail_fast=True)), "model_busy")
         assert await real_redis.pttl("gw:{two}:rebuild") > 0
-        waiting = asyncio.create_task(
-            adm.admit(fleet.plan("two"), tier_is(Tier.DEFAULT), "t-acme", 1)
-        )
+        waiting = asyncio.create_task(adm.admit(fleet.plan("two"), "t-acme", 1))
         lease = (await bounded(waiting)).lease  # served once the window is over
         assert not await real_redis.exists("gw:{two}:rebuild")
         assert await fleet.account() == 1

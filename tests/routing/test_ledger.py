@@ -34,7 +34,6 @@ from routing.store import connect
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
-from tiers.policy import Tier
 
 CONFIG = """
 models:
@@ -348,7 +347,7 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
     adm = admission(usage_redis, spool)
     registry = Registry(parse_config(CONFIG, "t.yaml").models)
     candidates = plan_candidates("m", None, fail_fast=False, registry=registry, allowed=None)
-    admitted = await bounded(adm.admit(candidates, lambda _m: Tier.DEFAULT, "t-ledger", 10))
+    admitted = await bounded(adm.admit(candidates, "t-ledger", 10))
     assert await usage_redis.zcard("gw:{m}:leases") == 1
     assert await usage_redis.zcard(admitted.lease.account) == 1
 

@@ -10,6 +10,7 @@ from gateway.errors import from_routing
 from routing.errors import UnknownModel
 from routing.plan import Candidate, plan_candidates
 from routing.registry import ModelConfig, Registry
+from tiers.policy import Tier
 
 
 def registry(*names: str) -> Registry:
@@ -112,3 +113,27 @@ def test_nothing_allowed_is_model_not_found() -> None:
 def test_candidates_carry_registry_models() -> None:
     (candidate,) = plan("c")
     assert candidate.model is REGISTRY.get("c")
+
+
+def test_each_candidate_carries_the_tier_it_applies() -> None:
+    """The plan says which tier each model rides: asked for, if both model and key allow it
+    (so admission never calls back up to resolve it)."""
+    endpoints = [{"url": "http://w:1", "max_concurrency": 1}]
+    both = {"endpoints": endpoints, "tiers": ["priority", "flex"]}
+    tiers = Registry(
+        {
+            "both": ModelConfig.model_validate(both),
+            "plain": ModelConfig.model_validate({"endpoints": endpoints}),
+        }
+    )
+
+    def applied(wanted: Tier, key_tiers: Collection[Tier] | None) -> list[Tier]:
+        made = plan_candidates(
+            "both", ["both", "plain"], fail_fast=False, registry=tiers, allowed=None,
+            wanted=wanted, allowed_tiers=key_tiers,
+        )  # fmt: skip
+        return [c.tier for c in made]
+
+    assert applied(Tier.PRIORITY, None) == [Tier.PRIORITY, Tier.DEFAULT]
+    assert applied(Tier.FLEX, [Tier.PRIORITY]) == [Tier.DEFAULT, Tier.DEFAULT]
+    assert applied(Tier.DEFAULT, None) == [Tier.DEFAULT, Tier.DEFAULT]
