@@ -303,34 +303,19 @@ class Admission:
         walk: _Walk,
         exc: BaseException,
     ) -> Admitted:
-        """Redis did not answer: 503, or (on_outage: local) this replica's share."""
+        """Redis did not answer: 503, or (on_outage: local) this replica's share
+        (routing/outage.py)."""
         self.holdings.waiters.pop(walk.lease_id, None)
         if self.on_outage != "local":
             raise Unavailable(
                 "The admission store (Redis) is unreachable; try again shortly.",
                 UnavailableReason.STORE_UNREACHABLE,
             ) from exc
-        last: RoutingError | None = None
-        for cand in candidates:
-            tier, model = cand.tier, cand.model.name
-            walk.at = model
-            if self.local.limit(model) == 0:
-                last = Unavailable(
-                    f"Redis is unreachable and this replica's share of {model!r} is 0 "
-                    f"({self.local.replicas or 'unknown'} replicas).",
-                    UnavailableReason.NO_LOCAL_SHARE,
-                )
-            elif self.local.room(model, tier, self.holdings.holding(model)):
-                lease = Lease(walk.lease_id, model, "", walk.akey, 0.0, local=True)
-                self.holdings.held[lease.id] = lease
-                return Admitted(lease, cand, tier)
-            else:
-                busy = LimitReason.FLEX_NO_CAPACITY if tier is Tier.FLEX else LimitReason.MODEL_BUSY
-                last = Limited(
-                    f"{model!r} has no free slot in this replica's share.", busy, retry_after_s=1
-                )
-        assert last is not None
-        raise last from exc
+        try:
+            cand, lease = self.local.admit(candidates, walk.lease_id, walk.akey, self.holdings)
+        except RoutingError as refused:
+            raise refused from exc
+        return Admitted(lease, cand, cand.tier)
 
     def turn_away_waiters(self, why: str) -> None:
         """This replica shuts down: its waiters leave their queues with a 503 now, rather

@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from routing.errors import Limited, LimitReason, RoutingError, Unavailable, UnavailableReason
+from routing.holdings import Holdings, Lease
+from routing.plan import Candidate
 from tiers.policy import Tier, TiersConfig
 
 
@@ -53,3 +56,29 @@ class LocalShares:
         the model it holds now."""
         ceiling = math.floor(self.limit(model) * self.tiers.policy(tier).max_utilization + 1e-9)
         return holding < ceiling
+
+    def admit(
+        self, candidates: Sequence[Candidate], lease_id: str, akey: str, holdings: Holdings
+    ) -> tuple[Candidate, Lease]:
+        """The first candidate this replica's share has room for, with its local lease (held
+        in `holdings`); else why not, about the last candidate."""
+        last: RoutingError | None = None
+        for cand in candidates:
+            model, tier = cand.model.name, cand.tier
+            if self.limit(model) == 0:
+                last = Unavailable(
+                    f"Redis is unreachable and this replica's share of {model!r} is 0 "
+                    f"({self.replicas or 'unknown'} replicas).",
+                    UnavailableReason.NO_LOCAL_SHARE,
+                )
+            elif self.room(model, tier, holdings.holding(model)):
+                lease = Lease(lease_id, model, "", akey, 0.0, local=True)
+                holdings.held[lease.id] = lease
+                return cand, lease
+            else:
+                busy = LimitReason.FLEX_NO_CAPACITY if tier is Tier.FLEX else LimitReason.MODEL_BUSY
+                message = f"{model!r} has no free slot in this replica's share."
+                last = Limited(message, busy, retry_after_s=1)
+            last.model = model
+        assert last is not None
+        raise last

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from routing.errors import Limited, LimitReason, Unavailable, UnavailableReason
+from routing.holdings import Holdings
 from routing.outage import LocalShares
+from routing.plan import plan_candidates
+from routing.registry import ModelConfig, Registry
 from tiers.policy import Tier, TiersConfig
 
 
@@ -85,3 +89,29 @@ def test_slots_held_before_the_outage_count_and_the_free_ones_are_shared(
         limits.append(local.limit("m"))
         assert local.limit("m") >= mine
     assert sum(limits) == max(5, fleet_inflight)
+
+
+def test_admit_takes_the_first_candidate_with_room_and_says_why_not_about_the_last() -> None:
+    one = {"endpoints": [{"url": "http://w:1", "max_concurrency": 1}]}
+    registry = Registry({name: ModelConfig.model_validate(one) for name in ("a", "b")})
+    local = LocalShares("r1", TiersConfig())
+    local.capacity.update(a=1, b=1)
+    local.saw(["r1"])
+    holdings = Holdings()
+    plan = plan_candidates("a", ["a", "b"], fail_fast=True, registry=registry, allowed=None)
+    first = local.admit(plan, "l1", "acct", holdings)
+    second = local.admit(plan, "l2", "acct", holdings)
+    assert [(c.model.name, lease.model, lease.local) for c, lease in (first, second)] == [
+        ("a", "a", True),
+        ("b", "b", True),
+    ]
+    assert set(holdings.held) == {"l1", "l2"}
+    with pytest.raises(Limited) as full:
+        local.admit(plan, "l3", "acct", holdings)
+    assert (full.value.reason, full.value.model) == (LimitReason.MODEL_BUSY, "b")
+    local.capacity.update(b=0)
+    holdings.held.clear()
+    local.capacity.update(a=0)
+    with pytest.raises(Unavailable) as none:
+        local.admit(plan, "l4", "acct", holdings)
+    assert (none.value.reason, none.value.model) == (UnavailableReason.NO_LOCAL_SHARE, "b")
