@@ -56,9 +56,6 @@ from tiers.usage import UsageRecord
 
 log = logging.getLogger("gateway.proxy")
 
-# Fields only the gateway understands: consumed here, never sent to a worker.
-# vLLM schedules lower `priority` values first.
-
 
 @dataclass(slots=True)
 class Parsed:
