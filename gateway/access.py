@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.edge import Message, Receive, Scope, Send
+from gateway.asgi import Message, Receive, Scope, Send
 from gateway.logs import ACCESS_LOGGER
 
 NOTE = "gateway.access"  # the scope key of the AccessNote

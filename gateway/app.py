@@ -2,8 +2,8 @@
 
 `build_app(config)` returns an app whose lifespan starts and stops the GatewayState. The
 front dispatcher sends `POST /v1/completions` and `/v1/chat/completions` straight to their
-Proxy (no Starlette request objects or middleware on the hot path); everything else goes
-through a small Starlette app.
+CompletionRoute (gateway/route.py: no Starlette request objects or middleware on the hot
+path); everything else goes through a small Starlette app.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.asgi import Receive, Scope, Send, error_parts, request_id
 from gateway.auth import key_from_headers
-from gateway.edge import Receive, Scope, Send, error_parts, request_id
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import build_openapi
-from gateway.proxy import Proxy
+from gateway.route import CompletionRoute
 from gateway.schemas import ChatRequest, CompletionRequest
 from gateway.state import GatewayState
 
@@ -32,13 +32,13 @@ CHAT = "/v1/chat/completions"
 
 
 class GatewayApp:
-    """Front dispatcher: hot routes to their Proxy, the rest to Starlette."""
+    """Front dispatcher: hot routes to their CompletionRoute, the rest to Starlette."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self._hot = {
-            COMPLETIONS: Proxy(state, COMPLETIONS, CompletionRequest),
-            CHAT: Proxy(state, CHAT, ChatRequest),
+            COMPLETIONS: CompletionRoute(state, COMPLETIONS, CompletionRequest),
+            CHAT: CompletionRoute(state, CHAT, ChatRequest),
         }
         self._openapi = orjson.dumps(build_openapi(CompletionRequest, ChatRequest))
         self._rest = self._build_starlette()

@@ -6,7 +6,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.forward import Exchange
+from gateway.exchange import Exchange
 from routing.admission import Admitted
 from tiers.policy import TiersConfig
 from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, UsageRecord, cost_usd, cut

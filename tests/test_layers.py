@@ -48,14 +48,14 @@ def test_routing_and_tiers_import_nothing_from_gateway(path: Path) -> None:
 def test_every_form_of_an_upward_import_is_seen() -> None:
     source = (
         "import gateway.errors\n"
-        "from gateway import edge\n"
-        "from ..gateway.relay import x\n"
+        "from gateway import asgi\n"
+        "from ..gateway.answer import x\n"
         "def f():\n    import gateway\n"
         "from routing.errors import Limited\n"
     )
     assert upward(imported(source, ("routing",))) == [
         "gateway.errors",
         "gateway",
-        "gateway.relay",
+        "gateway.answer",
         "gateway",
     ]

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.billing import usage_record
-from gateway.forward import Exchange
-from gateway.relay import Usage
+from gateway.exchange import Exchange, Usage
 from gateway.settings import parse_config
 from routing.admission import Admitted, Lease
 from routing.plan import Candidate

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 import routing.errors
-from gateway.edge import error_parts
+from gateway.asgi import error_parts
 from gateway.errors import (
     GatewayError,
     ModelNotFound,

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gateway.access import NOTE, AccessLog, AccessNote
-from gateway.edge import Receive, Scope, Send
+from gateway.asgi import Receive, Scope, Send
 from gateway.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 
 

@@ -1,4 +1,5 @@
-"""Worker answers on their way back to the caller: rewritten, never buffered when streamed.
+"""The answer rewriting: worker answers on their way back to the caller, never buffered when
+streamed.
 
 The caller sees the gateway's model name and the applied `service_tier`; everything else the
 worker sent passes through. Usage is picked up on the way for billing and metrics. Worker
@@ -9,8 +10,6 @@ SSE event is complete, and never more than `limits.max_event_bytes` of it (docs/
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
@@ -21,6 +20,7 @@ from gateway.errors import (
     UpstreamTimeout,
     WorkerRejected,
 )
+from gateway.exchange import Usage
 from routing.errors import LimitReason
 
 MAX_ERROR_MESSAGE = 1000
@@ -29,22 +29,6 @@ MAX_EVENT_BYTES = 1024 * 1024  # the default of limits.max_event_bytes
 # A partial event may already hold the start of its delimiter ("\n", or "\n\r" when the
 # worker ends lines with CRLF): an event of exactly the limit still fits.
 _DELIMITER_SLACK = 2
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    reported: bool = False
-    # Token chunks relayed: the completion count when a broken stream never reports usage.
-    streamed: int = 0
-
-    def take(self, usage: Any) -> None:
-        if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(completion, int):
-                self.prompt_tokens, self.completion_tokens = prompt, completion
-                self.reported = True
 
 
 def worker_error(status: int, body: bytes) -> GatewayError:

@@ -1,7 +1,7 @@
 """POST /v1/completions and /v1/chat/completions: the walk of one request
 (docs/architecture.md).
 
-auth -> body -> tier -> fallback plan -> admission (lease) -> forward -> relay -> release.
+auth -> body -> tier -> fallback plan -> admission (lease) -> hop -> answer -> release.
 Each step is a call into gateway/, tiers/ or routing/; this module composes them and owns
 the ASGI I/O.
 """
@@ -14,26 +14,26 @@ import os
 import time
 import traceback
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gateway.access import NOTE, AccessNote
-from gateway.auth import Account, key_from_headers
-from gateway.billing import usage_record
-from gateway.edge import (
+from gateway.answer import error_event
+from gateway.asgi import (
     ClientGone,
     Receive,
     Reply,
     RequestHeaders,
     Scope,
     Send,
-    parse_body,
     read_body,
     read_headers,
     request_id,
     send_error,
 )
+from gateway.auth import key_from_headers
+from gateway.billing import usage_record
+from gateway.body import parse_body
 from gateway.errors import (
     GatewayError,
     InternalError,
@@ -41,8 +41,8 @@ from gateway.errors import (
     ServiceUnavailable,
     from_routing,
 )
-from gateway.forward import Exchange, Hop
-from gateway.relay import Usage, error_event
+from gateway.exchange import Exchange, Parsed, Usage
+from gateway.hop import Hop
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
 from gateway.trace import trace_headers
@@ -50,30 +50,13 @@ from routing.admission import Admitted
 from routing.affinity import affinity_key
 from routing.errors import RoutingError, UnavailableReason
 from routing.plan import plan_candidates
-from tiers.policy import Tier
 from tiers.resolve import requested_tier
 from tiers.usage import UsageRecord
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.route")
 
 
-@dataclass(slots=True)
-class Parsed:
-    """An authenticated, validated request, not yet admitted."""
-
-    rid: str
-    started: float
-    account: Account
-    payload: dict[str, Any]
-    request: GatewayRequest
-    # The tier asked for (body, else header), before model and key policy apply.
-    wanted: Tier
-    source: str | None
-    # Filled for the access log when it is on (gateway/access.py).
-    note: AccessNote | None
-
-
-class Proxy:
+class CompletionRoute:
     """The plain ASGI app behind one completion route."""
 
     def __init__(self, state: GatewayState, path: str, schema: type[GatewayRequest]) -> None:

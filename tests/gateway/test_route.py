@@ -1,4 +1,4 @@
-"""The proxy in process (scripted upstream, fakeredis): hostile bodies get a 4xx naming the
+"""The completion route in process (scripted upstream, fakeredis): hostile bodies get a 4xx naming the
 field, an unforeseen failure gets the OpenAI-envelope 500 (or an SSE error event), and either
 way the slot goes back and the usage record tells what the caller got."""
 
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway import forward, proxy
+from gateway import hop, route
 from routing.ledger import USAGE_STREAM
 from tests.gateway.json_text import bodies
 from tests.gateway.test_app import KEY, STREAM, ScriptedResponse, _settled, make_app
@@ -117,9 +117,9 @@ async def test_failure_before_the_answer_is_a_500_envelope(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     app, upstream = make_app()
-    monkeypatch.setattr(forward, "worker_body", explode)
+    monkeypatch.setattr(hop, "worker_body", explode)
     rid = uuid.uuid4().hex
-    with caplog.at_level(logging.ERROR, logger="gateway.proxy"):
+    with caplog.at_level(logging.ERROR, logger="gateway.route"):
         resp = await send(app, BASE + b"}", rid)
     assert resp.status_code == 500
     assert resp.headers["x-request-id"] == rid
@@ -132,7 +132,7 @@ async def test_failure_before_the_answer_is_a_500_envelope(
     assert (record["status"], record["outcome"]) == ("500", "error")
     assert await leases_left(app) == 0
     assert requests_counted(app, "m1", "default", "500") == 1
-    [logged] = [r.getMessage() for r in caplog.records if r.name == "gateway.proxy"]
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "gateway.route"]
     assert rid in logged
     assert "ValueError" in logged
     assert "gateway/" in logged  # where in the gateway's own code it went wrong
@@ -143,7 +143,7 @@ async def test_a_record_that_cannot_be_built_still_releases_the_slot_and_is_coun
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app, _ = make_app()
-    monkeypatch.setattr(proxy, "usage_record", explode)
+    monkeypatch.setattr(route, "usage_record", explode)
     rid = uuid.uuid4().hex
     resp = await send(app, BASE + b"}", rid)
     assert resp.status_code == 200  # the caller got its answer
@@ -192,7 +192,7 @@ async def test_failure_before_admission_is_a_500_not_counted_as_admitted(
     def broken(*_: Any, **__: Any) -> None:
         raise KeyError("secret prompt")
 
-    monkeypatch.setattr(proxy, "plan_candidates", broken)
+    monkeypatch.setattr(route, "plan_candidates", broken)
     rid = uuid.uuid4().hex
     resp = await send(app, BASE + b"}", rid)
     assert resp.status_code == 500

@@ -10,9 +10,9 @@ import fakeredis
 import orjson
 import pytest
 
-from gateway.edge import Message
-from gateway.forward import Exchange, Hop
-from gateway.relay import Usage
+from gateway.asgi import Message
+from gateway.exchange import Exchange, Usage
+from gateway.hop import Hop
 from gateway.settings import parse_config
 from gateway.state import GatewayState
 from routing.admission import Admitted

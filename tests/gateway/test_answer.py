@@ -15,14 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.app import build_app
-from gateway.errors import (
-    RateLimited,
-    UpstreamFailed,
-    UpstreamTimeout,
-    WorkerRejected,
-)
-from gateway.relay import (
+from gateway.answer import (
     DONE_EVENT,
     MAX_ERROR_MESSAGE,
     StreamRewriter,
@@ -30,6 +23,13 @@ from gateway.relay import (
     error_event,
     rewrite_answer,
     worker_error,
+)
+from gateway.app import build_app
+from gateway.errors import (
+    RateLimited,
+    UpstreamFailed,
+    UpstreamTimeout,
+    WorkerRejected,
 )
 from gateway.settings import parse_config
 from gateway.state import GatewayState

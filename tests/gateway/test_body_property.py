@@ -11,9 +11,10 @@ import orjson
 from hypothesis import event, given, settings
 from pydantic import BaseModel, ConfigDict
 
-from gateway.edge import MAX_DEPTH, dumps, error_parts, parse_body
+from gateway.asgi import error_parts
+from gateway.body import MAX_DEPTH, dumps, parse_body
 from gateway.errors import RequestInvalid
-from gateway.forward import worker_body
+from gateway.hop import worker_body
 from tests.gateway.json_text import bodies, depth, has_lone_surrogate
 from tiers.policy import Tier
 

@@ -1,13 +1,15 @@
-"""The hop to the worker and the relay of its answer (JSON or SSE) back to the caller."""
+"""The hop to the worker: the body it gets, the call, one reroute when the worker cannot be
+reached, and its answer (JSON or SSE, rewritten by gateway/answer.py) sent to the caller."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.edge import ClientGone, Send, dumps, send_error, send_json
+from gateway.answer import StreamRewriter, error_event, rewrite_answer, worker_error
+from gateway.asgi import ClientGone, Send, send_error, send_json
+from gateway.body import dumps
 from gateway.errors import (
     GatewayError,
     ServiceUnavailable,
@@ -15,7 +17,7 @@ from gateway.errors import (
     UpstreamUnavailable,
     from_routing,
 )
-from gateway.relay import StreamRewriter, Usage, error_event, rewrite_answer, worker_error
+from gateway.exchange import Exchange
 from gateway.state import GatewayState
 from routing.admission import Admitted
 from routing.endpoints import Endpoint
@@ -27,26 +29,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-@dataclass(slots=True)
-class Exchange:
-    """What happened to one admitted request, for metrics and (later) its usage record."""
-
-    rid: str
-    started: float
-    stream: bool
-    # Whether the caller sees the usage chunk (the worker is always asked for it).
-    include_usage: bool
-    usage: Usage
-    status: int = 200
-    # Set before the last byte goes out: a disconnect after that is not a cancellation.
-    finished: bool = False
-    first_byte: float | None = None
-    # The caller disconnected (a cancellation then is theirs, not the server's shutdown).
-    caller_gone: bool = False
-    # The caller's trace context, checked (gateway/trace.py), for the worker.
-    trace: dict[str, str] = field(default_factory=dict)
 
 
 class Hop:
