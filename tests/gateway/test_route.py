@@ -1,6 +1,6 @@
-"""The completion route in process (scripted upstream, fakeredis): hostile bodies get a 4xx naming the
-field, an unforeseen failure gets the OpenAI-envelope 500 (or an SSE error event), and either
-way the slot goes back and the usage record tells what the caller got."""
+"""The completion route in process (scripted upstream, fakeredis): hostile bodies get a 4xx
+naming the field, an unforeseen failure gets the OpenAI-envelope 500 (or an SSE error event),
+and either way the slot goes back and the usage record tells what the caller got."""
 
 from __future__ import annotations
 
