@@ -206,7 +206,9 @@ def from_routing(exc: RoutingError) -> GatewayError:
     elif isinstance(exc, UnknownModel):
         error = ModelNotFound(exc.message)
     else:
-        error = _WORKER[type(exc)](exc.message)
+        # The nearest mapped class: a new kind of worker failure answers as its parent does.
+        kind = next((_WORKER[c] for c in type(exc).__mro__ if c in _WORKER), InternalError)
+        error = kind(exc.message)
     error.model = exc.model
     return error
 

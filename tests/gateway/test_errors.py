@@ -171,6 +171,13 @@ def test_every_routing_error_is_mapped() -> None:
         assert isinstance(from_routing(exc), GatewayError), cls
 
 
+def test_a_new_kind_of_worker_failure_answers_as_its_parent() -> None:
+    class WorkerVanished(WorkerUnreachable):
+        pass
+
+    assert type(from_routing(WorkerVanished("x"))) is type(from_routing(WorkerUnreachable("x")))
+
+
 @pytest.mark.parametrize(
     "exc",
     [
