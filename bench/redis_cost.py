@@ -1,0 +1,396 @@
+"""What admission costs Redis itself: commands, CPU and a no-op EVALSHA's worth per request.
+
+Run: .venv/bin/python bench/redis_cost.py [--admissions N] [--quick] [--json] [--redis URL]
+
+Redis: a redis-server of the benchmark's own on a free port, unless --redis or REDIS_URL
+names one (used as it is, never flushed: what the benchmark wrote is removed at the end).
+
+One run, against the real Redis and the real admission code (routing/admission.py):
+1. one admitted request's life (`admit`, then `release` with a usage record) is captured
+   at the store's `send`: its round trips, the exact commands sent, and what Redis ran for
+   them (INFO commandstats counts the commands scripts call too);
+2. that command sequence is replayed N times back to back (pipelined in batches, a fresh
+   lease id each time, so each replay is a real admission and release), and so is a no-op
+   EVALSHA (`return 0`): Redis's own microseconds per admission (INFO commandstats) and
+   process CPU (used_cpu_user + sys), and their ratio to the no-op;
+3. the same replay, fewer times, with the slow log as a stopwatch: microseconds per script;
+4. an idle Admission + keeper (routing/keeper.py), one replica, with 1 and with 10 models:
+   what its sweeps cost Redis per model and second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
+
+import harness  # noqa: E402
+import rediskit  # noqa: E402
+from rediskit import TAG, Delta, SlowLog, cost, measured, sent_counts, top_level_usec  # noqa: E402
+
+from gateway.settings import parse_config  # noqa: E402
+from routing.admission import Admission  # noqa: E402
+from routing.keeper import Keeper  # noqa: E402
+from routing.plan import plan_candidates  # noqa: E402
+from routing.registry import Registry  # noqa: E402
+from routing.resp import RespClient  # noqa: E402
+from tiers.usage import UsageRecord, cost_usd  # noqa: E402
+
+NOOP = "return 0"
+Command = tuple[Any, ...]
+# What a replay needs: the store, the captured batches, their lease id, the acquire's sha.
+Life = tuple[RespClient, list[list[Command]], str, str]
+
+
+def config_text(models: Sequence[str]) -> str:
+    rows = "".join(
+        f"  {m}: {{endpoints: [{{url: 'http://127.0.0.1:9/a', max_concurrency: 16, model: m}},"
+        f" {{url: 'http://127.0.0.1:9/b', max_concurrency: 16, model: m}}]}}\n"
+        for m in models
+    )
+    return f"redis: {{url: 'redis://unused', lease_ttl_s: 30}}\nmodels:\n{rows}"
+
+
+async def admission_for(
+    url: str, models: Sequence[str], replica: str, client: aioredis.Redis
+) -> tuple[Admission, Any]:
+    """An Admission as `gateway serve` builds one for redis:// (the lean client on the hot
+    path), its scripts loaded; and the plan of a request for the first model."""
+    config = parse_config(config_text(models), "bench.yaml")
+    registry = Registry(config.models)
+    admission = Admission(
+        client, registry, config.tiers,
+        lease_ttl_s=30, on_outage="reject", store=RespClient(url), replica_id=replica,
+    )  # fmt: skip
+    await admission.start()
+    plan = plan_candidates(models[0], None, fail_fast=False, registry=registry, allowed=None)
+    return admission, plan
+
+
+async def close(admission: Admission) -> None:
+    await admission.close()
+    if isinstance(admission.store, RespClient):
+        await admission.store.aclose()
+
+
+@contextlib.contextmanager
+def recording(store: Any) -> Iterator[list[list[Command]]]:
+    """Every batch the store sends (one round trip each), as sent. Wraps the store's own
+    `send` (routing/resp.py), under whatever Scripts calls it."""
+    batches: list[list[Command]] = []
+    original = store.send
+
+    def send(commands: Sequence[Sequence[Any]]) -> Any:
+        batches.append([tuple(c) for c in commands])
+        return original(commands)
+
+    store.send = send
+    try:
+        yield batches
+    finally:
+        del store.send  # the class's method again
+
+
+def usage_fields(model: str, lease: Any) -> dict[str, str]:
+    """A usage record as the gateway writes one for a completed, non-streamed request."""
+    return UsageRecord(
+        request_id=f"{TAG}-7f3c2a9e41d04b6f", ts=dt.datetime.now(dt.UTC).isoformat(),
+        account=TAG, key_id="3f2a9c1b7d4e", user="user-4711", source="bench",
+        requested_model=model, served_model=model, fallback_index=0,
+        requested_tier="default", tier="default", prompt_tokens=812, completion_tokens=256,
+        estimated=False, status=200, outcome="complete", duration_ms=1834.25,
+        queue_ms=round(lease.queued_ms, 3), ttft_ms=212.5,
+        cost_usd=cost_usd(812, 256, 0.5, 1.5, 1.0),
+    ).to_fields()  # fmt: skip
+
+
+async def one_life(admission: Admission, plan: Any) -> str:
+    """admit, then release with a usage record, as the completion route does; the lease id."""
+    model = plan[0].model.name
+    admitted = await admission.admit(plan, TAG, 1000)
+    await admission.release(admitted.lease, usage_fields(model, admitted.lease))
+    return admitted.lease.id
+
+
+async def capture(
+    admission: Admission, plan: Any, info: aioredis.Redis
+) -> tuple[list[list[Command]], str, Delta]:
+    """One admitted request's life: the batches it sent, its lease id, what Redis ran. A
+    first life before it creates the model's state in Redis (a one-off)."""
+    await one_life(admission, plan)
+    leases: list[str] = []
+
+    async def life() -> None:
+        leases.append(await one_life(admission, plan))
+
+    with recording(admission.store) as batches:
+        delta = await measured(info, life())
+    return batches, leases[0], delta
+
+
+def renamed(batches: list[list[Command]], lease_id: str, fresh: str) -> list[Command]:
+    """The captured commands, flat, with `fresh` for the lease id wherever it appears (the
+    scripts' arguments, the account entry, the record's attempt and its dedupe key)."""
+    return [
+        tuple(a.replace(lease_id, fresh) if isinstance(a, str) else a for a in command)
+        for batch in batches
+        for command in batch
+    ]
+
+
+async def replay(life: Life, n: int, batch: int, tag: str) -> None:
+    """The captured life `n` times back to back, `batch` lives per round trip. Each must be
+    granted its slot and give everything back, or the benchmark measures something else."""
+    store, batches, lease_id, acquire = life
+    granted = 0
+    for start in range(0, n, batch):
+        commands: list[Command] = []
+        for i in range(start, min(n, start + batch)):
+            commands += renamed(batches, lease_id, f"{lease_id}-{tag}{i}")
+        replies = await store.send(commands)
+        for command, reply in zip(commands, replies, strict=True):
+            if isinstance(reply, Exception):
+                raise reply
+            if command[0] == "EVALSHA" and command[1] == acquire and int(reply[0]) == 1:
+                granted += 1
+    if granted != n:
+        raise RuntimeError(f"replay: {granted} of {n} admissions granted")
+
+
+async def noops(store: RespClient, sha: str, n: int, batch: int) -> None:
+    for start in range(0, n, batch):
+        replies = await store.send([("EVALSHA", sha, 0)] * min(batch, n - start))
+        if error := next((r for r in replies if isinstance(r, Exception)), None):
+            raise error
+
+
+def one_admission(batches: list[list[Command]], delta: Delta) -> dict[str, Any]:
+    sent = sent_counts(batches)
+    inner = Counter(delta.calls)
+    inner.subtract(sent)
+    return {
+        "round_trips": len(batches),
+        "commands_sent": sum(sent.values()),
+        "evalsha": sent["evalsha"],
+        "commands_in_redis": delta.total_calls,
+        "called_by_scripts": {k: v for k, v in sorted(inner.items()) if v > 0},
+        # This request alone, its scripts run cold: the replays below give the steady cost.
+        "usec": round(top_level_usec(delta, sent), 1),
+    }
+
+
+async def rounds(
+    info: aioredis.Redis, life: Life, noop_sha: str, n: int, batch: int, count: int
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """`count` rounds, each N lives then N no-ops: per admission, and per no-op call."""
+    lives, idle_calls = [], []
+    sent = sent_counts(life[1], n)
+    for r in range(count):
+        delta = await measured(info, replay(life, n, batch, f"m{r}-"))
+        lives.append({"usec": top_level_usec(delta, sent) / n, "cpu_usec": delta.cpu_s * 1e6 / n,
+                      "commands_in_redis": delta.total_calls / n})  # fmt: skip
+        delta = await measured(info, noops(life[0], noop_sha, n, batch))
+        idle_calls.append({"usec": delta.usec.get("evalsha", 0) / n,
+                           "cpu_usec": delta.cpu_s * 1e6 / n})  # fmt: skip
+    return lives, idle_calls
+
+
+async def by_script(
+    info: aioredis.Redis, life: Life, names: dict[str, str], n: int, batch: int, logged: int
+) -> dict[str, Any] | None:
+    """Microseconds per call of each command a life sends, from the slow log (threshold 0;
+    `logged`: entries per life, the commands scripts call are logged too). None where CONFIG
+    is not allowed."""
+    try:
+        async with SlowLog(info, room=n * (logged + 1) + 64) as log:
+            await replay(life, n, batch, "s-")
+            await noops(life[0], names["noop"], n, batch)
+            entries = await log.entries()
+    except aioredis.ResponseError:
+        return None
+    shas = {sha: name for name, sha in names.items()}
+    total: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    for args, usec in entries:
+        name = None
+        if args[0].upper() == "EVALSHA" and len(args) > 1:
+            name = shas.get(args[1])
+        elif args[0].upper() == "ZREM" and len(args) > 1 and args[1].startswith("gw:acct:"):
+            name = "ZREM account"
+        if name is not None:
+            total[name] += usec
+            calls[name] += 1
+    rows = {k: {"calls_per_admission": round(calls[k] / n, 2),
+                "usec_per_call": round(total[k] / calls[k], 2)} for k in calls}  # fmt: skip
+    life_usec = sum(v for k, v in total.items() if k != "noop") / n
+    noop = rows.get("noop", {}).get("usec_per_call", 0)
+    return {"admissions": n, "scripts": rows, "usec_per_admission": round(life_usec, 2),
+            "ratio_to_noop": round(life_usec / noop, 1) if noop else None}  # fmt: skip
+
+
+async def idle(
+    url: str, info: aioredis.Redis, cleanup: rediskit.Cleanup, count: int, seconds: float
+) -> dict[str, Any]:
+    """An idle replica with `count` models: its keeper's sweeps over `seconds`, per model."""
+    replica = f"{TAG}-idle{count}"
+    models = [f"{replica}-{i}" for i in range(count)]
+    cleanup.replicas.append(replica)
+    admission, _ = await admission_for(url, models, replica, info)
+    pubsub = aioredis.Redis.from_url(url)
+    keeper = Keeper(admission, pubsub, interval_s=1.0)
+    try:
+        with recording(admission.store) as batches:
+            await keeper.start()
+            await asyncio.sleep(0.5)  # subscribed, first sweep done: the steady state after
+            skip = len(batches)
+            delta = await measured(info, asyncio.sleep(seconds))
+            window = batches[skip:]
+    finally:
+        await keeper.close()
+        await close(admission)
+        await pubsub.aclose()
+    sent = sent_counts(window)
+    per = count * seconds
+    return {
+        "models": count,
+        "seconds": seconds,
+        "sweeps": len(window),
+        "per_model_per_s": {
+            "round_trips": round(len(window) / per, 3),
+            "commands_sent": round(sum(sent.values()) / per, 3),
+            "commands_in_redis": round(delta.total_calls / per, 2),
+            "usec": round(top_level_usec(delta, sent) / per, 2),
+        },
+    }
+
+
+async def measure(url: str, n: int, batch: int, count: int, idle_s: float) -> dict[str, Any]:
+    info = aioredis.Redis.from_url(url)
+    results: dict[str, Any] = {"redis_version": (await info.info("server"))["redis_version"]}
+    async with rediskit.Cleanup(info) as cleanup:
+        admission, plan = await admission_for(url, [TAG], f"{TAG}-r", info)
+        try:
+            batches, lease_id, delta = await capture(admission, plan, info)
+            results["one_admission"] = one_admission(batches, delta)
+            assert isinstance(admission.store, RespClient)
+            names = {**admission.scripts.sha, "noop": await info.script_load(NOOP)}
+            life: Life = (admission.store, batches, lease_id, names["acquire"])
+            await replay(life, min(n, 500), batch, "w-")  # warm-up
+            await noops(admission.store, names["noop"], min(n, 500), batch)
+            results["cost"] = cost(*await rounds(info, life, names["noop"], n, batch, count))
+            logged = results["one_admission"]["commands_in_redis"]
+            results["by_script"] = await by_script(info, life, names, min(n, 1000), batch, logged)
+            results["left_after_replay"] = await leftovers(info, admission)
+        finally:
+            await close(admission)
+        results["idle"] = [await idle(url, info, cleanup, k, idle_s) for k in (1, 10)]
+    await info.aclose()
+    return results
+
+
+async def leftovers(info: aioredis.Redis, admission: Admission) -> dict[str, int]:
+    """What the replays left held: nothing, if each gave back what it took."""
+    keys = admission.slots[TAG].keys
+    return {
+        "leases": int(await info.zcard(keys[0])),
+        "queued": int(await info.zcard(keys[1])),
+        "account_entries": int(await info.zcard("gw:acct:{" + TAG + "}")),
+    }
+
+
+def report(results: dict[str, Any]) -> None:
+    one, c = results["one_admission"], results["cost"]
+    print(f"\nRedis {results['redis_version']}, one admitted request (admit + release with usage):")
+    print(
+        f"  round trips {one['round_trips']}, commands sent {one['commands_sent']} "
+        f"(EVALSHA {one['evalsha']}), commands run in Redis {one['commands_in_redis']}"
+    )
+    print(f"  called by scripts: {one['called_by_scripts']}")
+    print(f"\n{'replayed back to back':40} {'Redis usec':>11} {'CPU usec':>9} {'cmds':>6}")
+    print(
+        f"{'admission (per admit + release)':40} {c['usec_per_admission']:11.2f} "
+        f"{c['cpu_usec_per_admission']:9.2f} {c['commands_in_redis_per_admission']:6.1f}"
+    )
+    print(
+        f"{'no-op EVALSHA (per call)':40} {c['noop_evalsha_usec']:11.3f} "
+        f"{c['noop_evalsha_cpu_usec']:9.3f} {1:6.1f}"
+    )
+    print(
+        f"{'ratio (target <= ' + str(c['target_ratio']) + ')':40} {c['ratio_to_noop']!s:>11} "
+        f"{c['cpu_ratio_to_noop']!s:>9}"
+    )
+    print(f"left held after the replays: {results['left_after_replay']}")
+    print(
+        f"admissions/s on one Redis core: {c['admissions_per_s_per_core']} "
+        f"(commandstats), {c['admissions_per_s_per_core_cpu']} (process CPU)"
+    )
+    report_details(results["by_script"], results["idle"])
+
+
+def report_details(by: dict[str, Any] | None, idle_rows: list[dict[str, Any]]) -> None:
+    if by is not None:
+        print(
+            f"\nslow log, {by['admissions']} admissions ({by['usec_per_admission']} usec, "
+            f"{by['ratio_to_noop']} no-ops):"
+        )
+        for name, row in by["scripts"].items():
+            print(
+                f"  {name:16} {row['calls_per_admission']:5.2f} x {row['usec_per_call']:8.2f} usec"
+            )
+    print(
+        f"\n{'idle replica, per model and second':40} {'trips':>7} {'sent':>7} "
+        f"{'in Redis':>9} {'usec':>7}"
+    )
+    for row in idle_rows:
+        p = row["per_model_per_s"]
+        label = f"{row['models']} model(s), {row['seconds']:g} s"
+        print(f"{label:40} {p['round_trips']:7.3f} {p['commands_sent']:7.3f} "
+              f"{p['commands_in_redis']:9.2f} {p['usec']:7.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--admissions", type=int, default=20000, help="replays per round")
+    parser.add_argument("--batch", type=int, default=100, help="replays per round trip")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout, not the table")
+    parser.add_argument("--redis", help="a Redis to use as it is (default: REDIS_URL, else "
+                        "a redis-server of the benchmark's own)")  # fmt: skip
+    args = parser.parse_args()
+    n, count, idle_s = args.admissions, args.rounds, args.idle_seconds
+    if args.quick:
+        n, count, idle_s = 200, 1, 1.2
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp,
+        contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout),
+        harness.bench_redis(Path(tmp), args.redis) as url,
+    ):
+        results = asyncio.run(measure(url, n, args.batch, count, idle_s))
+    results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform()}  # fmt: skip
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        report(results)
+
+
+if __name__ == "__main__":
+    main()

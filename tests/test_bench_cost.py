@@ -1,0 +1,57 @@
+"""bench/redis_cost.py --quick runs end to end against a Redis of its own and leaves it as
+it found it. Structure only: speed is the benchmark's business, never a test's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_reports_every_figure_and_leaves_no_key(private_redis: RedisServer) -> None:
+    # Given as --redis, so the benchmark treats it as someone else's: nothing flushed, only
+    # what it wrote removed.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "redis_cost.py"), "--quick", "--json",
+         "--redis", private_redis.url],
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+
+    one = results["one_admission"]
+    assert one["round_trips"] >= 1
+    assert one["evalsha"] >= 1
+    assert one["commands_sent"] >= one["evalsha"]
+    assert one["commands_in_redis"] >= one["commands_sent"]
+    assert one["usec"] > 0
+
+    cost = results["cost"]
+    for name in ("usec_per_admission", "cpu_usec_per_admission", "noop_evalsha_usec",
+                 "ratio_to_noop", "admissions_per_s_per_core"):  # fmt: skip
+        assert cost[name] > 0, name
+    assert cost["commands_in_redis_per_admission"] >= one["commands_sent"]
+    assert cost["target_ratio"] == 25
+
+    by = results["by_script"]
+    assert {"account", "acquire", "release", "usage", "noop"} <= set(by["scripts"])
+    assert all(row["calls_per_admission"] == 1 for row in by["scripts"].values())
+    assert results["left_after_replay"] == {"leases": 0, "queued": 0, "account_entries": 0}
+
+    assert [row["models"] for row in results["idle"]] == [1, 10]
+    for row in results["idle"]:
+        assert row["sweeps"] >= 1
+        assert row["per_model_per_s"]["commands_in_redis"] > 0
+
+    client = redis.Redis.from_url(private_redis.url)
+    try:
+        assert client.dbsize() == 0, sorted(client.scan_iter(count=1000))[:20]
+    finally:
+        client.close()
