@@ -124,7 +124,7 @@ class GatewayState:
         to another replica; requests running get the grace period."""
         self.draining = True
         loop = asyncio.get_running_loop()
-        loop.call_soon_threadsafe(self.admission.turn_away_waiters, "The gateway is shutting down.")
+        loop.call_soon_threadsafe(self.admission.waiting.turn_away, "The gateway is shutting down.")
 
     def unready(self) -> str | None:
         """Why this replica should not get traffic, or None."""
@@ -195,8 +195,8 @@ class GatewayState:
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
-        if self.admission.spool is not None:
-            self.admission.spool.close()
+        if self.admission.ledger.spool is not None:
+            self.admission.ledger.spool.close()
         if self.admission.store is not self.redis:
             await self.admission.store.aclose()
         await self.upstream.close()
@@ -207,7 +207,7 @@ class GatewayState:
     def render_metrics(self) -> bytes:
         """Prometheus text; the fleet-wide gauges come from the keeper's last sweep."""
         m = self.metrics
-        spool = self.admission.spool
+        spool = self.admission.ledger.spool
         if spool is not None:
             m.usage_spooled.set(spool.size_bytes())
             m.usage_lost = spool.lost

@@ -23,19 +23,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing import refusals
 from routing.affinity import rendezvous
-from routing.errors import Limited, LimitReason, RoutingError, Unavailable, UnavailableReason
+from routing.errors import RoutingError, Unavailable, UnavailableReason
 from routing.estimate import RetryAfter
 from routing.handback import Handback
 from routing.holdings import Holdings, Lease, Waiter
-from routing.ledger import UsageSpool, store_sender
-from routing.outage import LocalShares
+from routing.ledger import Ledger, UsageSpool, store_sender
+from routing.outage import LocalShares, Outage
 from routing.plan import Candidate
 from routing.registry import Model, Registry
 from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
 from routing.slots import (
-    BUSY,
-    FULL,
     GRANTED,
     QUEUED,
     RANK,
@@ -47,6 +46,7 @@ from routing.slots import (
     text,
 )
 from routing.storeerrors import StoreErrors
+from routing.waiting import Waiting
 from tiers.policy import Tier, TiersConfig
 
 __all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
@@ -94,16 +94,14 @@ class Admission:
     ) -> None:
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
-        self.spool = spool
         self.scripts = scripts if scripts is not None else Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
-        self.on_outage = on_outage
         self._tiers = tiers
         self._clock = clock
         self._ids = itertools.count()
         self.holdings = Holdings()
-        self.local = LocalShares(self.replica_id, tiers)
+        self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
         self.retry = RetryAfter()
         self.slots: dict[str, ModelSlots] = {}
         for model in registry:
@@ -113,6 +111,12 @@ class Admission:
             self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
             self.store_errors,
         )  # fmt: skip
+        self.waiting = Waiting(self.scripts, self.store, self.slots, self.holdings, self.handback)
+        self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
+
+    @property
+    def local(self) -> LocalShares:
+        return self.outage.local
 
     @property
     def held(self) -> dict[str, Lease]:
@@ -144,7 +148,10 @@ class Admission:
                 return await self._walk(walk, candidates, self._clock())
             except STORE_ERRORS as exc:
                 self.store_errors.report(exc, "admission", refused=True)
-                return self._outage(candidates, walk, exc)
+                cand, lease = self.outage.admit(
+                    candidates, walk.lease_id, walk.akey, self.holdings, exc
+                )
+                return Admitted(lease, cand, cand.tier)
         except RoutingError as exc:
             exc.model = exc.model or walk.at
             raise
@@ -174,7 +181,8 @@ class Admission:
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier)
-            last = self._rejection(cand.model, tier, result)
+            retry = self.retry_after(cand.model.name, result.ahead)
+            last = refusals.rejection(cand.model.name, tier, result, retry)
         assert last is not None
         raise last
 
@@ -217,11 +225,7 @@ class Admission:
         if not walk.has_account:
             if result.status in (GRANTED, QUEUED):
                 self.handback.give_back(walk.lease_id, model, None)
-            raise Limited(
-                f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
-                LimitReason.CONCURRENCY_LIMIT,
-                retry_after_s=1,
-            )
+            raise refusals.account_full(walk.account, walk.limit)
         return result
 
     def _try_calls(self, walk: _Walk, cand: Candidate, tier: Tier) -> list[Any]:
@@ -231,9 +235,7 @@ class Admission:
             calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
         model = cand.model.name
         if cand.may_wait:
-            # Registered before the call: a wake-up may arrive before the reply does.
-            future = asyncio.get_running_loop().create_future()
-            self.holdings.waiters[walk.lease_id] = Waiter(model, future)
+            self.waiting.register(walk.lease_id, model)
         preferred = None
         if walk.cache_key is not None:
             preferred = rendezvous(walk.cache_key, self.slots[model].urls)
@@ -249,95 +251,20 @@ class Admission:
     ) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue), or None."""
         if result.status != QUEUED:
-            waiter = self.holdings.waiters.pop(walk.lease_id, None)
-            if waiter is not None and waiter.future.done():
-                waiter.future.exception()  # turned away meanwhile: not queued, nothing to say
+            self.waiting.not_queued(walk.lease_id)
             return result.endpoint if result.status == GRANTED else None
-        model, lease_id = cand.model.name, walk.lease_id
-        waiter = self.holdings.waiters[lease_id]
-        waiter.place = tier.rank * RANK + result.place  # from now on the sweep keeps it queued
         timeout = self._tiers.policy(tier).queue_timeout_s
-        try:
-            await asyncio.wait({waiter.future}, timeout=timeout)
-        except asyncio.CancelledError:
-            self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant back
-            raise
-        finally:
-            self.holdings.waiters.pop(lease_id, None)
-        if waiter.future.done():
-            if (turned_away := waiter.future.exception()) is not None:
-                self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant
-                raise turned_away
-            endpoint = waiter.future.result()
-            self.handback.claim(lease_id, model, endpoint)
-            return endpoint
-        # Timed out; the slot may have been granted just now (its message still on the way).
-        sent = self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)])
-        reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
-        if isinstance(reply, Exception):
-            self.handback.give_back(lease_id, model, None)
-            raise reply
-        if granted := text(reply):
+        place = tier.rank * RANK + result.place
+        if granted := await self.waiting.wait(walk.lease_id, place, timeout):
             return granted
-        raise Limited(
-            f"Waited {timeout:g}s in the queue of {model!r} without a free slot.",
-            LimitReason.QUEUE_TIMEOUT,
-            retry_after_s=self.retry_after(model, 0),
-        )
-
-    def _rejection(self, model: Model, tier: Tier, result: Attempt) -> Limited:
-        retry = self.retry_after(model.name, result.ahead)
-        if result.status == FULL:
-            message = f"The queue of {model.name!r} is full ({result.ahead} waiting)."
-            return Limited(message, LimitReason.QUEUE_FULL, retry_after_s=retry)
-        assert result.status == BUSY
-        if tier is Tier.FLEX:
-            message = f"No spare capacity on {model.name!r} for the flex tier."
-            return Limited(message, LimitReason.FLEX_NO_CAPACITY, retry_after_s=retry)
-        message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
-        return Limited(message, LimitReason.MODEL_BUSY, retry_after_s=retry)
-
-    def _outage(
-        self,
-        candidates: Sequence[Candidate],
-        walk: _Walk,
-        exc: BaseException,
-    ) -> Admitted:
-        """Redis did not answer: 503, or (on_outage: local) this replica's share
-        (routing/outage.py)."""
-        self.holdings.waiters.pop(walk.lease_id, None)
-        if self.on_outage != "local":
-            raise Unavailable(
-                "The admission store (Redis) is unreachable; try again shortly.",
-                UnavailableReason.STORE_UNREACHABLE,
-            ) from exc
-        try:
-            cand, lease = self.local.admit(candidates, walk.lease_id, walk.akey, self.holdings)
-        except RoutingError as refused:
-            raise refused from exc
-        return Admitted(lease, cand, cand.tier)
-
-    def turn_away_waiters(self, why: str) -> None:
-        """This replica shuts down: its waiters leave their queues with a 503 now, rather
-        than being cut when the grace period ends."""
-        for waiter in self.holdings.waiters.values():
-            if not waiter.future.done():
-                waiter.future.set_exception(Unavailable(why, UnavailableReason.SHUTTING_DOWN))
+        model = cand.model.name
+        raise refusals.queue_timeout(model, timeout, self.retry_after(model, 0))
 
     # --- leases --------------------------------------------------------------------------
 
     def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record (routing/handback.py)."""
         return self.handback.release(lease, usage)
-
-    def record_lost(self, rid: str, why: str) -> None:
-        """A request's usage record could not even be built: counted with the lost ones."""
-        if self.spool is not None:
-            self.spool.lose(rid[:128], why)
-
-    async def flush_spool(self) -> int:
-        """Send spooled usage records now (the keeper's spool round also does)."""
-        return await self.spool.flush(store_sender(self.scripts, self.store)) if self.spool else 0
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica
