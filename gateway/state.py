@@ -159,14 +159,11 @@ class GatewayState:
 
     async def apply(self, config: GatewayConfig) -> None:
         """A changed config, applied without a restart and without failing requests in
-        flight: models, endpoints, capacities, tiers, health settings and keys. Settings
-        of connections made at start (listen, redis, upstream, usage spool) need a
-        restart; a change to them is logged and the running values stay."""
-        kept = {"listen", "redis", "upstream", "usage"}
-        changed = sorted(k for k in kept if getattr(config, k) != getattr(self.config, k))
-        if changed:
-            log.warning("config reload: %s change only on restart", ", ".join(changed))
-        config = config.model_copy(update={k: getattr(self.config, k) for k in kept})
+        flight: models, endpoints, capacities, tiers, health settings, keys and
+        `redis.on_outage` (a policy, no connection). Settings of connections made at start
+        (listen, the rest of redis, upstream, usage spool) need a restart; a change to them
+        is logged and the running values stay."""
+        config = self._keep_restart_only(config)
         old_names = set(self.registry.names())
         self.config = config
         self.registry = Registry(config.models)
@@ -175,7 +172,7 @@ class GatewayState:
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )
         self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
-        self.admission.apply(self.registry, config.tiers)
+        self.admission.apply(self.registry, config.tiers, config.redis.on_outage)
         previous = self.health
         self.health = self._new_health()
         self.health.adopt(previous)
@@ -188,6 +185,16 @@ class GatewayState:
         if set(self.registry.names()) != old_names:
             self.keeper.resubscribe()
         log.info("config reloaded: %d models", len(config.models))
+
+    def _keep_restart_only(self, config: GatewayConfig) -> GatewayConfig:
+        """`config` with the running values of what changes only on restart (logged)."""
+        redis = self.config.redis.model_copy(update={"on_outage": config.redis.on_outage})
+        kept = {"listen": self.config.listen, "redis": redis}
+        kept |= {"upstream": self.config.upstream, "usage": self.config.usage}
+        changed = sorted(k for k, running in kept.items() if getattr(config, k) != running)
+        if changed:
+            log.warning("config reload: %s change only on restart", ", ".join(changed))
+        return config.model_copy(update=kept)
 
     async def close(self) -> None:
         if self._watcher is not None:

@@ -293,12 +293,14 @@ class Admission:
         self.slots[model.name] = slots
         self.local.capacity[model.name] = slots.capacity
 
-    def apply(self, registry: Registry, tiers: TiersConfig) -> None:
+    def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
         """A new config: new models get slots, known ones new ceilings and queue bounds, and
-        the local outage shares the new tiers. Models that left keep their slots (their
-        requests in flight still release)."""
+        the local outage shares the new tiers (and the outage its mode, if given). Models
+        that left keep their slots (their requests in flight still release)."""
         self._tiers = tiers
         self.local.tiers = tiers
+        if on_outage is not None:
+            self.outage.mode = on_outage
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
         for model in registry:
             slots = self.slots.get(model.name)
