@@ -9,6 +9,11 @@ Nothing a replica takes in Redis is ever left to chance: what it holds is rememb
 whose caller went away is given back when its reply arrives; and an id whose state is in
 doubt (a call that failed without an answer) is forgotten by the next sweeps. The Redis
 protocol lives in routing/slots.py and the Lua files; the sweep in routing/keeper.py.
+
+Admission walks; the parts live apart: one candidate's acquire in routing/acquire.py, the
+wait for a queued grant in routing/waiting.py, the 429s in routing/refusals.py and their
+Retry-After in routing/estimate.py, the answer while Redis is away in routing/outage.py,
+the release in routing/handback.py and the usage spool's owner in routing/ledger.py.
 """
 
 from __future__ import annotations
@@ -19,12 +24,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from routing import refusals
-from routing.affinity import rendezvous
+from routing.acquire import Acquire, Walk
 from routing.errors import RoutingError, Unavailable, UnavailableReason
 from routing.estimate import RetryAfter
 from routing.handback import Handback
@@ -33,7 +37,7 @@ from routing.ledger import Ledger, UsageSpool, store_sender
 from routing.outage import LocalShares, Outage
 from routing.plan import Candidate
 from routing.registry import Model, Registry
-from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
+from routing.scripts import STORE_ERRORS, Scripts, Store
 from routing.slots import (
     GRANTED,
     QUEUED,
@@ -42,7 +46,6 @@ from routing.slots import (
     ModelSlots,
     Timing,
     account_key,
-    attempt,
     text,
 )
 from routing.storeerrors import StoreErrors
@@ -57,21 +60,6 @@ class Admitted:
     lease: Lease
     candidate: Candidate
     tier: Tier
-
-
-@dataclass(slots=True)
-class _Walk:
-    """One request's walk over its candidates."""
-
-    lease_id: str
-    account: str
-    akey: str  # the account's key in Redis
-    limit: int
-    cache_key: str | None  # prefix-cache affinity: the endpoints in this key's order
-    # Whether the account's count holds an entry for this walk (taken with the first try).
-    has_account: bool = False
-    # The candidate being tried: an error out of the walk concerns it (its metric label).
-    at: str = ""
 
 
 class Admission:
@@ -111,7 +99,8 @@ class Admission:
             self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
             self.store_errors,
         )  # fmt: skip
-        self.waiting = Waiting(self.scripts, self.store, self.slots, self.holdings, self.handback)
+        self.waiting = Waiting(self.handback)
+        self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
         self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
 
     @property
@@ -142,7 +131,7 @@ class Admission:
         cache_key: str | None = None,
     ) -> Admitted:
         lease_id = f"{self.replica_id}-{next(self._ids)}"
-        walk = _Walk(lease_id, account, account_key(account), account_limit, cache_key)
+        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
         try:
             try:
                 return await self._walk(walk, candidates, self._clock())
@@ -162,7 +151,7 @@ class Admission:
 
     async def _walk(
         self,
-        walk: _Walk,
+        walk: Walk,
         candidates: Sequence[Candidate],
         started: float,
     ) -> Admitted:
@@ -173,7 +162,8 @@ class Admission:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
-            result = await self._try_past_rebuild(walk, cand, tier)
+            deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
+            result = await self.acquire.past_rebuild(walk, cand, tier, deadline)
             endpoint = await self._settle(walk, cand, tier, result)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
@@ -186,69 +176,7 @@ class Admission:
         assert last is not None
         raise last
 
-    async def _try_past_rebuild(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
-        """`_try`; a request that may wait and finds the model being rebuilt (Redis lost its
-        state, routing/lua/prelude.lua) waits for the window to end and tries again, within
-        its queue timeout. Meanwhile it holds no account entry: the account's count may not
-        be written back yet, so it is checked again after."""
-        deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
-        while True:
-            result = await self._try(walk, cand, tier)
-            left = deadline - self._clock()
-            if not (result.rebuild_ms and cand.may_wait and left > 0):
-                return result
-            self.holdings.waiters.pop(walk.lease_id, None)
-            if self.holdings.walking.pop(walk.lease_id, None) is not None:
-                walk.has_account = False
-                self.handback.give_back(walk.lease_id, None, walk.akey)
-            await asyncio.sleep(min(result.rebuild_ms / 1000, left))
-
-    async def _try(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
-        """One candidate's acquire; the first also takes the account's own slot, in the same
-        round trip (and the model's slot goes back if the account is at its limit)."""
-        model = cand.model.name
-        calls = self._try_calls(walk, cand, tier)
-        with_account = not walk.has_account
-        replies = await self.handback.outliving(
-            self.scripts.submit(self.store, calls), walk.lease_id, model,
-            walk.akey if with_account else None,
-        )  # fmt: skip
-        if with_account and not isinstance(replies[0], Exception) and int(replies[0]) == 1:
-            walk.has_account = True
-            self.holdings.walking[walk.lease_id] = walk.akey
-        if (error := first_error(replies)) is not None:
-            self.handback.give_back(
-                walk.lease_id, model, None
-            )  # what the other call took goes back
-            raise error
-        result = attempt(replies[-1])
-        if not walk.has_account:
-            if result.status in (GRANTED, QUEUED):
-                self.handback.give_back(walk.lease_id, model, None)
-            raise refusals.account_full(walk.account, walk.limit)
-        return result
-
-    def _try_calls(self, walk: _Walk, cand: Candidate, tier: Tier) -> list[Any]:
-        calls: list[Any] = []
-        if not walk.has_account:
-            ttl = self.timing.lease_ttl_ms
-            calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
-        model = cand.model.name
-        if cand.may_wait:
-            self.waiting.register(walk.lease_id, model)
-        preferred = None
-        if walk.cache_key is not None:
-            preferred = rendezvous(walk.cache_key, self.slots[model].urls)
-        calls.append(
-            self.slots[model].acquire(
-                walk.lease_id, tier, may_wait=cand.may_wait, affinity=preferred
-            )
-        )
-        return calls
-
-    async def _settle(
-        self, walk: _Walk, cand: Candidate, tier: Tier, result: Attempt
-    ) -> str | None:
+    async def _settle(self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue), or None."""
         if result.status != QUEUED:
             self.waiting.not_queued(walk.lease_id)

@@ -9,28 +9,18 @@ and does not keep goes back through routing/handback.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 
 from routing.errors import Unavailable, UnavailableReason
 from routing.handback import Handback
-from routing.holdings import Holdings, Waiter
-from routing.scripts import Scripts, Store
-from routing.slots import ModelSlots, text
+from routing.holdings import Waiter
+from routing.slots import text
 
 
 class Waiting:
-    def __init__(
-        self,
-        scripts: Scripts,
-        store: Store,
-        slots: Mapping[str, ModelSlots],
-        holdings: Holdings,
-        handback: Handback,
-    ) -> None:
-        self.scripts = scripts
-        self.store = store
-        self.slots = slots
-        self.holdings = holdings
+    def __init__(self, handback: Handback) -> None:
+        # The same store, slots and holdings as the give-backs.
+        self.scripts, self.store = handback.scripts, handback.store
+        self.slots, self.holdings = handback.slots, handback.holdings
         self.handback = handback
 
     def register(self, lease_id: str, model: str) -> None:
