@@ -150,7 +150,7 @@ class CompletionRoute:
             try:
                 record = self._record(parsed, admitted, exchange).to_fields()
             except Exception as exc:  # the slot must go back whatever the record holds
-                admission.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
+                admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
             # With the record, in one round trip.
             admission.release(admitted.lease, record)
             self._observe(admitted, exchange, parsed.note)

@@ -124,7 +124,7 @@ class GatewayState:
         to another replica; requests running get the grace period."""
         self.draining = True
         loop = asyncio.get_running_loop()
-        loop.call_soon_threadsafe(self.admission.turn_away_waiters, "The gateway is shutting down.")
+        loop.call_soon_threadsafe(self.admission.waiting.turn_away, "The gateway is shutting down.")
 
     def unready(self) -> str | None:
         """Why this replica should not get traffic, or None."""
@@ -159,14 +159,11 @@ class GatewayState:
 
     async def apply(self, config: GatewayConfig) -> None:
         """A changed config, applied without a restart and without failing requests in
-        flight: models, endpoints, capacities, tiers, health settings and keys. Settings
-        of connections made at start (listen, redis, upstream, usage spool) need a
-        restart; a change to them is logged and the running values stay."""
-        kept = {"listen", "redis", "upstream", "usage"}
-        changed = sorted(k for k in kept if getattr(config, k) != getattr(self.config, k))
-        if changed:
-            log.warning("config reload: %s change only on restart", ", ".join(changed))
-        config = config.model_copy(update={k: getattr(self.config, k) for k in kept})
+        flight: models, endpoints, capacities, tiers, health settings, keys and
+        `redis.on_outage` (a policy, no connection). Settings of connections made at start
+        (listen, the rest of redis, upstream, usage spool) need a restart; a change to them
+        is logged and the running values stay."""
+        config = self._keep_restart_only(config)
         old_names = set(self.registry.names())
         self.config = config
         self.registry = Registry(config.models)
@@ -175,7 +172,7 @@ class GatewayState:
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )
         self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
-        self.admission.apply(self.registry, config.tiers)
+        self.admission.apply(self.registry, config.tiers, config.redis.on_outage)
         previous = self.health
         self.health = self._new_health()
         self.health.adopt(previous)
@@ -189,14 +186,24 @@ class GatewayState:
             self.keeper.resubscribe()
         log.info("config reloaded: %d models", len(config.models))
 
+    def _keep_restart_only(self, config: GatewayConfig) -> GatewayConfig:
+        """`config` with the running values of what changes only on restart (logged)."""
+        redis = self.config.redis.model_copy(update={"on_outage": config.redis.on_outage})
+        kept = {"listen": self.config.listen, "redis": redis}
+        kept |= {"upstream": self.config.upstream, "usage": self.config.usage}
+        changed = sorted(k for k, running in kept.items() if getattr(config, k) != running)
+        if changed:
+            log.warning("config reload: %s change only on restart", ", ".join(changed))
+        return config.model_copy(update=kept)
+
     async def close(self) -> None:
         if self._watcher is not None:
             await self._watcher.close()
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
-        if self.admission.spool is not None:
-            self.admission.spool.close()
+        if self.admission.ledger.spool is not None:
+            self.admission.ledger.spool.close()
         if self.admission.store is not self.redis:
             await self.admission.store.aclose()
         await self.upstream.close()
@@ -207,7 +214,7 @@ class GatewayState:
     def render_metrics(self) -> bytes:
         """Prometheus text; the fleet-wide gauges come from the keeper's last sweep."""
         m = self.metrics
-        spool = self.admission.spool
+        spool = self.admission.ledger.spool
         if spool is not None:
             m.usage_spooled.set(spool.size_bytes())
             m.usage_lost = spool.lost

@@ -9,6 +9,11 @@ Nothing a replica takes in Redis is ever left to chance: what it holds is rememb
 whose caller went away is given back when its reply arrives; and an id whose state is in
 doubt (a call that failed without an answer) is forgotten by the next sweeps. The Redis
 protocol lives in routing/slots.py and the Lua files; the sweep in routing/keeper.py.
+
+Admission walks; the parts live apart: one candidate's acquire in routing/acquire.py, the
+wait for a queued grant in routing/waiting.py, the 429s in routing/refusals.py and their
+Retry-After in routing/estimate.py, the answer while Redis is away in routing/outage.py,
+the release in routing/handback.py and the usage spool's owner in routing/ledger.py.
 """
 
 from __future__ import annotations
@@ -19,23 +24,21 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.affinity import rendezvous
-from routing.errors import Limited, LimitReason, RoutingError, Unavailable, UnavailableReason
+from routing import refusals
+from routing.acquire import Acquire, Walk
+from routing.errors import RoutingError, Unavailable, UnavailableReason
 from routing.estimate import RetryAfter
 from routing.handback import Handback
 from routing.holdings import Holdings, Lease, Waiter
-from routing.ledger import UsageSpool, store_sender
-from routing.outage import LocalShares
+from routing.ledger import Ledger, UsageSpool, store_sender
+from routing.outage import LocalShares, Outage
 from routing.plan import Candidate
 from routing.registry import Model, Registry
-from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
+from routing.scripts import STORE_ERRORS, Scripts, Store
 from routing.slots import (
-    BUSY,
-    FULL,
     GRANTED,
     QUEUED,
     RANK,
@@ -43,10 +46,10 @@ from routing.slots import (
     ModelSlots,
     Timing,
     account_key,
-    attempt,
     text,
 )
 from routing.storeerrors import StoreErrors
+from routing.waiting import Waiting
 from tiers.policy import Tier, TiersConfig
 
 __all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
@@ -57,21 +60,6 @@ class Admitted:
     lease: Lease
     candidate: Candidate
     tier: Tier
-
-
-@dataclass(slots=True)
-class _Walk:
-    """One request's walk over its candidates."""
-
-    lease_id: str
-    account: str
-    akey: str  # the account's key in Redis
-    limit: int
-    cache_key: str | None  # prefix-cache affinity: the endpoints in this key's order
-    # Whether the account's count holds an entry for this walk (taken with the first try).
-    has_account: bool = False
-    # The candidate being tried: an error out of the walk concerns it (its metric label).
-    at: str = ""
 
 
 class Admission:
@@ -94,16 +82,14 @@ class Admission:
     ) -> None:
         # Where the scripts run: the lean pipelining client when the URL allows it.
         self.store: Store = store if store is not None else redis
-        self.spool = spool
         self.scripts = scripts if scripts is not None else Scripts(command_timeout_s)
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
-        self.on_outage = on_outage
         self._tiers = tiers
         self._clock = clock
         self._ids = itertools.count()
         self.holdings = Holdings()
-        self.local = LocalShares(self.replica_id, tiers)
+        self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
         self.retry = RetryAfter()
         self.slots: dict[str, ModelSlots] = {}
         for model in registry:
@@ -113,6 +99,13 @@ class Admission:
             self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
             self.store_errors,
         )  # fmt: skip
+        self.waiting = Waiting(self.handback)
+        self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
+        self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
+
+    @property
+    def local(self) -> LocalShares:
+        return self.outage.local
 
     @property
     def held(self) -> dict[str, Lease]:
@@ -138,13 +131,16 @@ class Admission:
         cache_key: str | None = None,
     ) -> Admitted:
         lease_id = f"{self.replica_id}-{next(self._ids)}"
-        walk = _Walk(lease_id, account, account_key(account), account_limit, cache_key)
+        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
         try:
             try:
                 return await self._walk(walk, candidates, self._clock())
             except STORE_ERRORS as exc:
                 self.store_errors.report(exc, "admission", refused=True)
-                return self._outage(candidates, walk, exc)
+                cand, lease = self.outage.admit(
+                    candidates, walk.lease_id, walk.akey, self.holdings, exc
+                )
+                return Admitted(lease, cand, cand.tier)
         except RoutingError as exc:
             exc.model = exc.model or walk.at
             raise
@@ -155,7 +151,7 @@ class Admission:
 
     async def _walk(
         self,
-        walk: _Walk,
+        walk: Walk,
         candidates: Sequence[Candidate],
         started: float,
     ) -> Admitted:
@@ -166,7 +162,8 @@ class Admission:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
-            result = await self._try_past_rebuild(walk, cand, tier)
+            deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
+            result = await self.acquire.past_rebuild(walk, cand, tier, deadline)
             endpoint = await self._settle(walk, cand, tier, result)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
@@ -174,170 +171,28 @@ class Admission:
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier)
-            last = self._rejection(cand.model, tier, result)
+            retry = self.retry_after(cand.model.name, result.ahead)
+            last = refusals.rejection(cand.model.name, tier, result, retry)
         assert last is not None
         raise last
 
-    async def _try_past_rebuild(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
-        """`_try`; a request that may wait and finds the model being rebuilt (Redis lost its
-        state, routing/lua/prelude.lua) waits for the window to end and tries again, within
-        its queue timeout. Meanwhile it holds no account entry: the account's count may not
-        be written back yet, so it is checked again after."""
-        deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
-        while True:
-            result = await self._try(walk, cand, tier)
-            left = deadline - self._clock()
-            if not (result.rebuild_ms and cand.may_wait and left > 0):
-                return result
-            self.holdings.waiters.pop(walk.lease_id, None)
-            if self.holdings.walking.pop(walk.lease_id, None) is not None:
-                walk.has_account = False
-                self.handback.give_back(walk.lease_id, None, walk.akey)
-            await asyncio.sleep(min(result.rebuild_ms / 1000, left))
-
-    async def _try(self, walk: _Walk, cand: Candidate, tier: Tier) -> Attempt:
-        """One candidate's acquire; the first also takes the account's own slot, in the same
-        round trip (and the model's slot goes back if the account is at its limit)."""
-        model = cand.model.name
-        calls = self._try_calls(walk, cand, tier)
-        with_account = not walk.has_account
-        replies = await self.handback.outliving(
-            self.scripts.submit(self.store, calls), walk.lease_id, model,
-            walk.akey if with_account else None,
-        )  # fmt: skip
-        if with_account and not isinstance(replies[0], Exception) and int(replies[0]) == 1:
-            walk.has_account = True
-            self.holdings.walking[walk.lease_id] = walk.akey
-        if (error := first_error(replies)) is not None:
-            self.handback.give_back(
-                walk.lease_id, model, None
-            )  # what the other call took goes back
-            raise error
-        result = attempt(replies[-1])
-        if not walk.has_account:
-            if result.status in (GRANTED, QUEUED):
-                self.handback.give_back(walk.lease_id, model, None)
-            raise Limited(
-                f"Account {walk.account[:64]!r} has {walk.limit} requests in flight.",
-                LimitReason.CONCURRENCY_LIMIT,
-                retry_after_s=1,
-            )
-        return result
-
-    def _try_calls(self, walk: _Walk, cand: Candidate, tier: Tier) -> list[Any]:
-        calls: list[Any] = []
-        if not walk.has_account:
-            ttl = self.timing.lease_ttl_ms
-            calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
-        model = cand.model.name
-        if cand.may_wait:
-            # Registered before the call: a wake-up may arrive before the reply does.
-            future = asyncio.get_running_loop().create_future()
-            self.holdings.waiters[walk.lease_id] = Waiter(model, future)
-        preferred = None
-        if walk.cache_key is not None:
-            preferred = rendezvous(walk.cache_key, self.slots[model].urls)
-        calls.append(
-            self.slots[model].acquire(
-                walk.lease_id, tier, may_wait=cand.may_wait, affinity=preferred
-            )
-        )
-        return calls
-
-    async def _settle(
-        self, walk: _Walk, cand: Candidate, tier: Tier, result: Attempt
-    ) -> str | None:
+    async def _settle(self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue), or None."""
         if result.status != QUEUED:
-            waiter = self.holdings.waiters.pop(walk.lease_id, None)
-            if waiter is not None and waiter.future.done():
-                waiter.future.exception()  # turned away meanwhile: not queued, nothing to say
+            self.waiting.not_queued(walk.lease_id)
             return result.endpoint if result.status == GRANTED else None
-        model, lease_id = cand.model.name, walk.lease_id
-        waiter = self.holdings.waiters[lease_id]
-        waiter.place = tier.rank * RANK + result.place  # from now on the sweep keeps it queued
         timeout = self._tiers.policy(tier).queue_timeout_s
-        try:
-            await asyncio.wait({waiter.future}, timeout=timeout)
-        except asyncio.CancelledError:
-            self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant back
-            raise
-        finally:
-            self.holdings.waiters.pop(lease_id, None)
-        if waiter.future.done():
-            if (turned_away := waiter.future.exception()) is not None:
-                self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant
-                raise turned_away
-            endpoint = waiter.future.result()
-            self.handback.claim(lease_id, model, endpoint)
-            return endpoint
-        # Timed out; the slot may have been granted just now (its message still on the way).
-        sent = self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)])
-        reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
-        if isinstance(reply, Exception):
-            self.handback.give_back(lease_id, model, None)
-            raise reply
-        if granted := text(reply):
+        place = tier.rank * RANK + result.place
+        if granted := await self.waiting.wait(walk.lease_id, place, timeout):
             return granted
-        raise Limited(
-            f"Waited {timeout:g}s in the queue of {model!r} without a free slot.",
-            LimitReason.QUEUE_TIMEOUT,
-            retry_after_s=self.retry_after(model, 0),
-        )
-
-    def _rejection(self, model: Model, tier: Tier, result: Attempt) -> Limited:
-        retry = self.retry_after(model.name, result.ahead)
-        if result.status == FULL:
-            message = f"The queue of {model.name!r} is full ({result.ahead} waiting)."
-            return Limited(message, LimitReason.QUEUE_FULL, retry_after_s=retry)
-        assert result.status == BUSY
-        if tier is Tier.FLEX:
-            message = f"No spare capacity on {model.name!r} for the flex tier."
-            return Limited(message, LimitReason.FLEX_NO_CAPACITY, retry_after_s=retry)
-        message = f"{model.name!r} has no free slot ({result.inflight} in flight)."
-        return Limited(message, LimitReason.MODEL_BUSY, retry_after_s=retry)
-
-    def _outage(
-        self,
-        candidates: Sequence[Candidate],
-        walk: _Walk,
-        exc: BaseException,
-    ) -> Admitted:
-        """Redis did not answer: 503, or (on_outage: local) this replica's share
-        (routing/outage.py)."""
-        self.holdings.waiters.pop(walk.lease_id, None)
-        if self.on_outage != "local":
-            raise Unavailable(
-                "The admission store (Redis) is unreachable; try again shortly.",
-                UnavailableReason.STORE_UNREACHABLE,
-            ) from exc
-        try:
-            cand, lease = self.local.admit(candidates, walk.lease_id, walk.akey, self.holdings)
-        except RoutingError as refused:
-            raise refused from exc
-        return Admitted(lease, cand, cand.tier)
-
-    def turn_away_waiters(self, why: str) -> None:
-        """This replica shuts down: its waiters leave their queues with a 503 now, rather
-        than being cut when the grace period ends."""
-        for waiter in self.holdings.waiters.values():
-            if not waiter.future.done():
-                waiter.future.set_exception(Unavailable(why, UnavailableReason.SHUTTING_DOWN))
+        model = cand.model.name
+        raise refusals.queue_timeout(model, timeout, self.retry_after(model, 0))
 
     # --- leases --------------------------------------------------------------------------
 
     def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record (routing/handback.py)."""
         return self.handback.release(lease, usage)
-
-    def record_lost(self, rid: str, why: str) -> None:
-        """A request's usage record could not even be built: counted with the lost ones."""
-        if self.spool is not None:
-            self.spool.lose(rid[:128], why)
-
-    async def flush_spool(self) -> int:
-        """Send spooled usage records now (the keeper's spool round also does)."""
-        return await self.spool.flush(store_sender(self.scripts, self.store)) if self.spool else 0
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica
@@ -366,12 +221,14 @@ class Admission:
         self.slots[model.name] = slots
         self.local.capacity[model.name] = slots.capacity
 
-    def apply(self, registry: Registry, tiers: TiersConfig) -> None:
+    def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
         """A new config: new models get slots, known ones new ceilings and queue bounds, and
-        the local outage shares the new tiers. Models that left keep their slots (their
-        requests in flight still release)."""
+        the local outage shares the new tiers (and the outage its mode, if given). Models
+        that left keep their slots (their requests in flight still release)."""
         self._tiers = tiers
         self.local.tiers = tiers
+        if on_outage is not None:
+            self.outage.mode = on_outage
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
         for model in registry:
             slots = self.slots.get(model.name)

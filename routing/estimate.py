@@ -6,6 +6,9 @@ Two views of how fast a model frees slots, and the faster one wins:
   a model whose `capacity` slots are busy frees about capacity / hold time per second.
 The floor keeps the estimate honest after an idle spell, when the measured rate has decayed
 towards zero although slots will free every second again as soon as traffic resumes.
+
+`retry_after_s` is the estimate itself, a pure function of those measures; `RetryAfter`
+keeps the measures per model.
 """
 
 from __future__ import annotations
@@ -40,11 +43,18 @@ class RetryAfter:
         self.hold_s[model] = seconds if old is None else old + WEIGHT * (seconds - old)
 
     def seconds(self, model: str, ahead: int, capacity: int) -> int:
-        """Whole seconds until a slot is likely free with `ahead` waiters in front."""
-        rate = self.freed_rate.get(model, 0.0)
-        hold = self.hold_s.get(model)
-        if hold is not None and capacity > 0:
-            rate = max(rate, capacity / max(hold, 0.001))
-        if rate <= 0.0:
-            return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
+        """Whole seconds until a slot of `model` is likely free with `ahead` waiters in front."""
+        rate, hold = self.freed_rate.get(model, 0.0), self.hold_s.get(model)
+        return retry_after_s(ahead, capacity, rate, hold)
+
+
+def retry_after_s(ahead: int, capacity: int, freed_rate: float, hold_s: float | None) -> int:
+    """Whole seconds until a slot is likely free with `ahead` waiters in front, for a model
+    of `capacity` slots that the fleet frees at `freed_rate` a second and that requests hold
+    `hold_s` seconds (None: not measured yet)."""
+    rate = freed_rate
+    if hold_s is not None and capacity > 0:
+        rate = max(rate, capacity / max(hold_s, 0.001))
+    if rate <= 0.0:
+        return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))

@@ -25,7 +25,6 @@ import redis.asyncio as aioredis
 
 from routing.admission import Admission
 from routing.background import BackgroundErrors, every
-from routing.ledger import store_sender
 from routing.scripts import STORE_ERRORS, Call, first_error
 from routing.slots import ModelState, sweep_result, text
 
@@ -157,9 +156,9 @@ class Keeper:
 
     async def _tend_spool(self) -> None:
         adm = self.admission
-        if adm.spool is None:
+        spool, send = adm.ledger.spool, adm.ledger.send
+        if spool is None:
             return
-        send = store_sender(adm.scripts, adm.store)
 
         async def reporting(calls: Sequence[Call]) -> list[Any]:
             replies = await send(calls)
@@ -167,7 +166,7 @@ class Keeper:
                 self.errors.store.report(refused, "spool")
             return replies
 
-        await adm.spool.tend(reporting)
+        await spool.tend(reporting)
 
     # --- wake-ups ------------------------------------------------------------------------
 

@@ -85,6 +85,24 @@ def store_sender(scripts: Scripts, store: Store) -> Send:
     return send
 
 
+class Ledger:
+    """The owner of this replica's usage spool (None: none is kept) and of the way to the
+    store its records go to."""
+
+    def __init__(self, spool: UsageSpool | None, send: Send) -> None:
+        self.spool = spool
+        self.send = send
+
+    def record_lost(self, rid: str, why: str) -> None:
+        """A request's usage record could not even be built: counted with the lost ones."""
+        if self.spool is not None:
+            self.spool.lose(rid[:128], why)
+
+    async def flush(self) -> int:
+        """Send spooled usage records now (the keeper's spool round also does)."""
+        return await self.spool.flush(self.send) if self.spool is not None else 0
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStats:
     """The stream `usage` as the last round saw it."""

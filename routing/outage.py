@@ -8,6 +8,9 @@ remainder to the first replicas of the sorted list. Summed over the fleet: F + (
 Requests that were running when Redis went away thus count against the limit of the
 replica that holds them, and the free capacity is shared. A replica that never saw the
 fleet, or whose limit is 0, admits nothing (503 with the reason).
+
+`Outage` holds the mode (`redis.on_outage`, a pure policy that follows config reloads) and
+the shares; admission hands it the walks Redis did not answer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,35 @@ from routing.errors import Limited, LimitReason, RoutingError, Unavailable, Unav
 from routing.holdings import Holdings, Lease
 from routing.plan import Candidate
 from tiers.policy import Tier, TiersConfig
+
+
+class Outage:
+    """What admission answers while Redis is unreachable: 503 (`reject`) or this replica's
+    share (`local`)."""
+
+    def __init__(self, mode: str, local: LocalShares) -> None:
+        self.mode = mode
+        self.local = local
+
+    def admit(
+        self,
+        candidates: Sequence[Candidate],
+        lease_id: str,
+        akey: str,
+        holdings: Holdings,
+        exc: BaseException,
+    ) -> tuple[Candidate, Lease]:
+        """Redis did not answer the walk (`exc`): 503, or the local share's lease."""
+        holdings.waiters.pop(lease_id, None)
+        if self.mode != "local":
+            raise Unavailable(
+                "The admission store (Redis) is unreachable; try again shortly.",
+                UnavailableReason.STORE_UNREACHABLE,
+            ) from exc
+        try:
+            return self.local.admit(candidates, lease_id, akey, holdings)
+        except RoutingError as refused:
+            raise refused from exc
 
 
 class LocalShares:

@@ -1,5 +1,6 @@
 """The config watcher: a file that does not load is refused once; an apply that fails is
-counted and tried again on the next round; the watcher itself never stops."""
+counted and tried again on the next round; the watcher itself never stops. And what a
+reload changes: `redis.on_outage` at once, the rest of `redis` only on restart."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from gateway.reload import ConfigWatcher
-from gateway.settings import GatewayConfig
+from gateway.settings import GatewayConfig, parse_config
+from gateway.state import GatewayState
 from routing.background import BackgroundErrors
+from routing.errors import RoutingError
+from routing.plan import plan_candidates
 
 
 def config_text(size: int) -> str:
@@ -70,3 +74,52 @@ async def test_a_file_that_does_not_load_is_refused_once(
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
     path.write_text(config_text(4))
     assert await watcher.check() is True and size_of(calls[0]) == 4
+
+
+# --- redis.on_outage follows reloads ---------------------------------------------------------
+
+DEAD_REDIS = "redis://127.0.0.1:1/0"  # nothing listens there: every call fails as an outage
+
+
+def outage_config(on_outage: str, spool_dir: Path, lease_ttl_s: int = 5) -> GatewayConfig:
+    return parse_config(
+        f'redis: {{url: "{DEAD_REDIS}", lease_ttl_s: {lease_ttl_s}, command_timeout_s: 0.5,'
+        f" on_outage: {on_outage}}}\n"
+        f'usage: {{spool_dir: "{spool_dir}"}}\n'
+        "health: {interval_s: 300, unhealthy_after: 100}\n"  # the endpoint stays in rotation
+        'models: {m: {endpoints: [{url: "http://127.0.0.1:1", max_concurrency: 2}]}}\n',
+        "outage.yaml",
+    )
+
+
+async def outage_answer(state: GatewayState) -> str:
+    """How admission answers a request while Redis is unreachable: a local lease, or why not."""
+    plan = plan_candidates("m", None, fail_fast=False, registry=state.registry, allowed=None)
+    try:
+        admitted = await asyncio.wait_for(state.admission.admit(plan, "t-reload", 10), 10)
+    except RoutingError as refused:
+        return refused.reason.value
+    state.admission.release(admitted.lease)
+    return "local" if admitted.lease.local else admitted.lease.endpoint
+
+
+async def test_on_outage_follows_a_reload_and_the_rest_of_redis_waits_for_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = GatewayState(outage_config("reject", tmp_path))
+    state.admission.local.saw([state.admission.replica_id])  # alone in the fleet
+    try:
+        assert await outage_answer(state) == "store_unreachable"
+        with caplog.at_level(logging.WARNING, logger="gateway"):
+            await state.apply(outage_config("local", tmp_path))
+        assert not [r for r in caplog.records if "restart" in r.getMessage()]
+        assert await outage_answer(state) == "local"
+        with caplog.at_level(logging.WARNING, logger="gateway"):
+            await state.apply(outage_config("reject", tmp_path, lease_ttl_s=9))
+        restart_only = [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+        assert restart_only == ["config reload: redis change only on restart"]
+        assert state.config.redis.lease_ttl_s == 5  # the running value stays
+        assert state.config.redis.on_outage == "reject"
+        assert await outage_answer(state) == "store_unreachable"
+    finally:
+        await asyncio.wait_for(state.close(), 10)

@@ -149,7 +149,7 @@ async def test_a_record_that_cannot_be_built_still_releases_the_slot_and_is_coun
     assert resp.status_code == 200  # the caller got its answer
     assert await records(app, rid) == []
     assert await leases_left(app) == 0
-    spool = app.state.admission.spool
+    spool = app.state.admission.ledger.spool
     assert spool is not None and spool.lost == 1
 
 

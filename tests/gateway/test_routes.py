@@ -172,7 +172,7 @@ async def test_metrics_have_no_created_series_and_count_lost_records(
     assert "_created" not in text
     assert "# TYPE gateway_usage_records_lost_total counter" in text
     assert "\ngateway_usage_records_lost_total 0.0\n" in text
-    app.state.admission.spool.lost = 3  # type: ignore[union-attr]
+    app.state.admission.ledger.spool.lost = 3  # type: ignore[union-attr]
     assert "\ngateway_usage_records_lost_total 3.0\n" in (await client.get("/metrics")).text
 
 

@@ -380,7 +380,7 @@ async def test_release_of_a_local_lease_spools_the_record(
     await bounded(adm.release(local, flat))
     assert spooled(spool) == [{**flat, "attempt": "t-ledger-local"}]
     assert await entries(usage_redis) == []
-    assert await bounded(adm.flush_spool()) == 1
+    assert await bounded(adm.ledger.flush()) == 1
     assert await entries(usage_redis) == [{**flat, "attempt": "t-ledger-local"}]
     await bounded(adm.close())
 
@@ -396,17 +396,17 @@ async def test_release_spools_the_record_when_redis_is_down(
     await bounded(dead.close())
 
     live = admission(usage_redis, spool)
-    assert await bounded(live.flush_spool()) == 1
+    assert await bounded(live.ledger.flush()) == 1
     sent = {**flat, "attempt": "t-ledger-lease-1"}
     assert await entries(usage_redis) == [sent]
     assert not spool.pending()
 
     # A flush that resends the same record (e.g. the spool rewrite failed) adds nothing.
     spool.add(sent)
-    assert await bounded(live.flush_spool()) == 1
+    assert await bounded(live.ledger.flush()) == 1
     assert await entries(usage_redis) == [sent]
     assert not spool.pending()
-    assert await bounded(live.flush_spool()) == 0
+    assert await bounded(live.ledger.flush()) == 0
     await bounded(live.close())
 
 
@@ -427,13 +427,13 @@ async def test_flush_fails_while_redis_is_down_and_keeps_the_spool(
     spool.add(usage_fields())
     dead = admission(dead_redis, spool)
     with pytest.raises(STORE_ERRORS):
-        await bounded(dead.flush_spool())
+        await bounded(dead.ledger.flush())
     assert spooled(spool) == [usage_fields()]
     await bounded(dead.close())
 
 
 async def test_flush_without_spool_does_nothing(usage_redis: aioredis.Redis) -> None:
     live = admission(usage_redis, None)
-    assert await bounded(live.flush_spool()) == 0
+    assert await bounded(live.ledger.flush()) == 0
     assert await entries(usage_redis) == []
     await bounded(live.close())

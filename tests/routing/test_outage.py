@@ -1,4 +1,5 @@
-"""Local outage shares (on_outage: local): they never add up to more than the capacity."""
+"""Local outage shares (on_outage: local): they never add up to more than the capacity. And
+the outage's mode, which a reload may change: it decides the answer to the next outage."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from routing.errors import Limited, LimitReason, Unavailable, UnavailableReason
 from routing.holdings import Holdings
-from routing.outage import LocalShares
+from routing.outage import LocalShares, Outage
 from routing.plan import plan_candidates
 from routing.registry import ModelConfig, Registry
 from tiers.policy import Tier, TiersConfig
@@ -115,3 +116,25 @@ def test_admit_takes_the_first_candidate_with_room_and_says_why_not_about_the_la
     with pytest.raises(Unavailable) as none:
         local.admit(plan, "l4", "acct", holdings)
     assert (none.value.reason, none.value.model) == (UnavailableReason.NO_LOCAL_SHARE, "b")
+
+
+def test_the_outage_answers_by_its_mode_of_the_moment() -> None:
+    one = {"endpoints": [{"url": "http://w:1", "max_concurrency": 2}]}
+    registry = Registry({"a": ModelConfig.model_validate(one)})
+    local = LocalShares("r1", TiersConfig())
+    local.capacity["a"] = 2
+    local.saw(["r1"])
+    outage = Outage("reject", local)
+    plan = plan_candidates("a", None, fail_fast=False, registry=registry, allowed=None)
+    holdings, lost = Holdings(), ConnectionError("Redis went away")
+    with pytest.raises(Unavailable) as rejected:
+        outage.admit(plan, "l1", "acct", holdings, lost)
+    assert rejected.value.reason == UnavailableReason.STORE_UNREACHABLE
+    assert rejected.value.__cause__ is lost
+    outage.mode = "local"  # as a reload sets it
+    cand, lease = outage.admit(plan, "l2", "acct", holdings, lost)
+    assert (cand.model.name, lease.local, set(holdings.held)) == ("a", True, {"l2"})
+    outage.mode = "reject"
+    with pytest.raises(Unavailable):
+        outage.admit(plan, "l3", "acct", holdings, lost)
+    assert set(holdings.held) == {"l2"}
