@@ -33,21 +33,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the gateway")
+    _serve_options(sub.add_parser("serve", help="run the gateway"))
+    _demo_options(sub.add_parser("demo", help="gateway + two simulated workers + in-process store"))
+    _sim_options(sub.add_parser("sim", help="a simulated vLLM-like GPU worker"))
+    _keys_options(sub.add_parser("keys", help="API keys"))
+    _usage_options(sub.add_parser("usage", help="usage records"))
+    return parser
+
+
+def _serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", help="listen address (default: listen.host of the config)")
     serve.add_argument("--port", type=int, help="listen port (default: listen.port of the config)")
     _log_options(serve)
 
-    demo = sub.add_parser("demo", help="gateway + two simulated workers + in-process store")
+
+def _demo_options(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--port", type=int, default=8000, help="gateway port (default: %(default)s)")
     demo.add_argument("--host", default="127.0.0.1", help="gateway address (default: %(default)s)")
     _log_options(demo)
-
-    _sim_options(sub.add_parser("sim", help="a simulated vLLM-like GPU worker"))
-    _keys_options(sub.add_parser("keys", help="API keys"))
-    _usage_options(sub.add_parser("usage", help="usage records"))
-    return parser
 
 
 def _sim_options(sim: argparse.ArgumentParser) -> None:
