@@ -251,23 +251,13 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from gateway.exporter import GROUPS, export, since_id
+    from gateway.exporter import export
     from routing.store import connect
 
     config = load_config(args.config)
     by = [g.strip() for g in args.by.split(",") if g.strip()] if args.by else None
-    unknown = [g for g in by or [] if g not in GROUPS]
-    if unknown:
-        print(f"gateway usage export: --by: unknown group {unknown[0]!r}", file=sys.stderr)
-        return 2
-    if config.redis.url.startswith("memory://"):
-        print("gateway usage export: a memory:// store lives inside its gateway", file=sys.stderr)
-        return 2
-
-    try:
-        since_id(args.since)
-    except ValueError as exc:
-        print(f"gateway usage export: --since: {exc}", file=sys.stderr)
+    if (problem := _export_problem(args.since, by, config.redis.url)) is not None:
+        print(f"gateway usage export: {problem}", file=sys.stderr)
         return 2
     out = _Output(sys.stdout)
 
@@ -291,6 +281,22 @@ def _usage_export(args: argparse.Namespace) -> int:
         return 1
     print(f"# {rows} rows", file=sys.stderr)
     return 0
+
+
+def _export_problem(since: str | None, by: list[str] | None, store_url: str) -> str | None:
+    """Why the export's arguments cannot work (said before any connection), or None."""
+    from gateway.exporter import GROUPS, since_id
+
+    unknown = [g for g in by or [] if g not in GROUPS]
+    if unknown:
+        return f"--by: unknown group {unknown[0]!r}"
+    if store_url.startswith("memory://"):
+        return "a memory:// store lives inside its gateway"
+    try:
+        since_id(since)
+    except ValueError as exc:
+        return f"--since: {exc}"
+    return None
 
 
 class _OutputFailed(Exception):
