@@ -25,14 +25,8 @@ def usage_record(
     payload: dict[str, Any],
     tiers: TiersConfig,
 ) -> UsageRecord:
-    usage = exchange.usage
-    if usage.reported:
-        prompt, completion, estimated = usage.prompt_tokens, usage.completion_tokens, False
-    else:
-        prompt, completion, estimated = _estimate_prompt(payload), usage.streamed, True
-    model = admitted.candidate.model
-    price = model.config.price
-    now = time.perf_counter()
+    prompt, completion, estimated = _tokens(exchange, payload)
+    duration_ms, queue_ms, ttft_ms = _timings_ms(exchange, admitted)
     return UsageRecord(
         request_id=exchange.rid,
         ts=datetime.now(UTC).isoformat(timespec="milliseconds"),
@@ -41,7 +35,7 @@ def usage_record(
         user=cut(user, MAX_USER),
         source=cut(source, MAX_SOURCE),
         requested_model=requested_model,
-        served_model=model.name,
+        served_model=admitted.candidate.model.name,
         fallback_index=admitted.candidate.index,
         requested_tier=requested_tier,
         tier=admitted.tier.value,
@@ -50,19 +44,39 @@ def usage_record(
         estimated=estimated,
         status=exchange.status,
         outcome=_outcome(exchange.status),
-        duration_ms=round((now - exchange.started) * 1000, 3),
-        queue_ms=round(admitted.lease.queued_ms, 3),
-        ttft_ms=None
-        if exchange.first_byte is None
-        else round((exchange.first_byte - exchange.started) * 1000, 3),
-        cost_usd=cost_usd(
-            prompt,
-            completion,
-            price.input_per_mtok,
-            price.output_per_mtok,
-            tiers.policy(admitted.tier).price_multiplier,
-        ),
+        duration_ms=duration_ms,
+        queue_ms=queue_ms,
+        ttft_ms=ttft_ms,
+        cost_usd=_cost(prompt, completion, admitted, tiers),
     )
+
+
+def _tokens(exchange: Exchange, payload: dict[str, Any]) -> tuple[int, int, bool]:
+    """(prompt, completion, estimated): the worker's usage, else an estimate from the
+    request and the bytes streamed."""
+    usage = exchange.usage
+    if usage.reported:
+        return usage.prompt_tokens, usage.completion_tokens, False
+    return _estimate_prompt(payload), usage.streamed, True
+
+
+def _timings_ms(exchange: Exchange, admitted: Admitted) -> tuple[float, float, float | None]:
+    """(duration, queue wait, time to first byte or None) in milliseconds."""
+    now = time.perf_counter()
+    ttft_ms = None
+    if exchange.first_byte is not None:
+        ttft_ms = round((exchange.first_byte - exchange.started) * 1000, 3)
+    return (
+        round((now - exchange.started) * 1000, 3),
+        round(admitted.lease.queued_ms, 3),
+        ttft_ms,
+    )
+
+
+def _cost(prompt: int, completion: int, admitted: Admitted, tiers: TiersConfig) -> float:
+    price = admitted.candidate.model.config.price
+    multiplier = tiers.policy(admitted.tier).price_multiplier
+    return cost_usd(prompt, completion, price.input_per_mtok, price.output_per_mtok, multiplier)
 
 
 def _outcome(status: int) -> Outcome:

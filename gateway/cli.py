@@ -33,21 +33,25 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the gateway")
+    _serve_options(sub.add_parser("serve", help="run the gateway"))
+    _demo_options(sub.add_parser("demo", help="gateway + two simulated workers + in-process store"))
+    _sim_options(sub.add_parser("sim", help="a simulated vLLM-like GPU worker"))
+    _keys_options(sub.add_parser("keys", help="API keys"))
+    _usage_options(sub.add_parser("usage", help="usage records"))
+    return parser
+
+
+def _serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", help="listen address (default: listen.host of the config)")
     serve.add_argument("--port", type=int, help="listen port (default: listen.port of the config)")
     _log_options(serve)
 
-    demo = sub.add_parser("demo", help="gateway + two simulated workers + in-process store")
+
+def _demo_options(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--port", type=int, default=8000, help="gateway port (default: %(default)s)")
     demo.add_argument("--host", default="127.0.0.1", help="gateway address (default: %(default)s)")
     _log_options(demo)
-
-    _sim_options(sub.add_parser("sim", help="a simulated vLLM-like GPU worker"))
-    _keys_options(sub.add_parser("keys", help="API keys"))
-    _usage_options(sub.add_parser("usage", help="usage records"))
-    return parser
 
 
 def _sim_options(sim: argparse.ArgumentParser) -> None:
@@ -247,23 +251,13 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from gateway.exporter import GROUPS, export, since_id
+    from gateway.exporter import export
     from routing.store import connect
 
     config = load_config(args.config)
     by = [g.strip() for g in args.by.split(",") if g.strip()] if args.by else None
-    unknown = [g for g in by or [] if g not in GROUPS]
-    if unknown:
-        print(f"gateway usage export: --by: unknown group {unknown[0]!r}", file=sys.stderr)
-        return 2
-    if config.redis.url.startswith("memory://"):
-        print("gateway usage export: a memory:// store lives inside its gateway", file=sys.stderr)
-        return 2
-
-    try:
-        since_id(args.since)
-    except ValueError as exc:
-        print(f"gateway usage export: --since: {exc}", file=sys.stderr)
+    if (problem := _export_problem(args.since, by, config.redis.url)) is not None:
+        print(f"gateway usage export: {problem}", file=sys.stderr)
         return 2
     out = _Output(sys.stdout)
 
@@ -287,6 +281,22 @@ def _usage_export(args: argparse.Namespace) -> int:
         return 1
     print(f"# {rows} rows", file=sys.stderr)
     return 0
+
+
+def _export_problem(since: str | None, by: list[str] | None, store_url: str) -> str | None:
+    """Why the export's arguments cannot work (said before any connection), or None."""
+    from gateway.exporter import GROUPS, since_id
+
+    unknown = [g for g in by or [] if g not in GROUPS]
+    if unknown:
+        return f"--by: unknown group {unknown[0]!r}"
+    if store_url.startswith("memory://"):
+        return "a memory:// store lives inside its gateway"
+    try:
+        since_id(since)
+    except ValueError as exc:
+        return f"--since: {exc}"
+    return None
 
 
 class _OutputFailed(Exception):

@@ -31,15 +31,26 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
+    """The families, declared by concern; registration order is the /metrics order."""
+
     def __init__(self, background_errors: Mapping[str, int] | None = None) -> None:
         # No `_created` twin per counter and histogram: it doubles the series and no
         # dashboard reads it. A process-wide switch of prometheus_client, set here with the
         # registry so that every /metrics this process renders is without them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         # Counted where the loops run (routing/background.py), read at scrape time.
-        r.register(_BackgroundErrors(background_errors if background_errors is not None else {}))
+        self.registry.register(
+            _BackgroundErrors(background_errors if background_errors is not None else {})
+        )
+        self._declare_traffic(self.registry)
+        self._declare_admission(self.registry)
+        self._declare_workers(self.registry)
+        self._declare_spool(self.registry)
+        self._declare_fleet(self.registry)
+
+    def _declare_traffic(self, r: CollectorRegistry) -> None:
+        """What callers got: answers, their durations, tokens."""
         self.requests = Counter(
             "gateway_requests", "Requests answered, by served model, applied tier and status.",
             ["model", "tier", "code"], registry=r,
@@ -56,6 +67,9 @@ class Metrics:
             "gateway_tokens", "Tokens processed, from the workers' usage.",
             ["model", "tier", "kind"], registry=r,
         )  # fmt: skip
+
+    def _declare_admission(self, r: CollectorRegistry) -> None:
+        """Slots and queues: who waits, who holds, who was turned away or fell back."""
         self.queue_depth = Gauge(
             "gateway_queue_depth", "Requests waiting for a slot.", ["model", "tier"], registry=r
         )
@@ -71,6 +85,9 @@ class Metrics:
             "gateway_fallbacks", "Requests served by a later entry of their models list.",
             ["from_model", "to_model"], registry=r,
         )  # fmt: skip
+
+    def _declare_workers(self, r: CollectorRegistry) -> None:
+        """The hop to workers: its failures and which endpoints are in rotation."""
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Failures talking to workers.",
             ["model", "endpoint", "kind"], registry=r,
@@ -80,9 +97,10 @@ class Metrics:
             ["model", "endpoint"], registry=r,
         )  # fmt: skip
 
-        # Beyond traffic: the billing safety net. Records waiting in this process's spool for
-        # Redis, those lost because the spool was full or unwritable (each also logged), and
-        # unreadable spool lines set aside (torn by a kill or a full disk).
+    def _declare_spool(self, r: CollectorRegistry) -> None:
+        """Beyond traffic: the billing safety net. Records waiting in this process's spool for
+        Redis, those lost because the spool was full or unwritable (each also logged), and
+        unreadable spool lines set aside (torn by a kill or a full disk)."""
         self.usage_spooled = Gauge(
             "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.", registry=r
         )
@@ -103,10 +121,12 @@ class Metrics:
                 lambda: self.usage_bad_lines,
             )
         )
-        # docs/usage.md: the stream `usage` (fleet-wide: every replica shows the same), as of the
-        # last spool round, after trimming to usage.retention_days.
-        # Beyond traffic: the fleet as this replica last saw it (its `on_outage: local` share
-        # is the capacity divided among these).
+
+    def _declare_fleet(self, r: CollectorRegistry) -> None:
+        """Beyond traffic: the fleet as this replica last saw it (its `on_outage: local` share
+        is the capacity divided among these), and docs/usage.md's stream `usage`
+        (fleet-wide: every replica shows the same) as of the last spool round, after
+        trimming to usage.retention_days."""
         self.replicas = Gauge(
             "gateway_replicas", "Live gateway replicas, as this one's last sweep saw them.",
             registry=r,

@@ -87,28 +87,31 @@ def _post(summary: str, operation: str, schema_name: str) -> dict[str, Any]:
                     "application/json": {"schema": {"$ref": f"#/components/schemas/{schema_name}"}}
                 },
             },
-            "responses": {
-                "200": {
-                    "description": "Successful Response (JSON, or text/event-stream when stream)",
-                    "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
-                },
-                "401": _error("Missing or unknown API key"),
-                "404": _error("Unknown model"),
-                "413": _error("Body too large"),
-                "422": {
-                    "description": "Validation Error",
-                    "content": {
-                        "application/json": {
-                            "schema": {"$ref": "#/components/schemas/HTTPValidationError"}
-                        }
-                    },
-                },
-                "429": _error("No capacity now; see Retry-After"),
-                "502": _error("The worker failed"),
-                "503": _error("Nothing can serve"),
-                "504": _error("The worker timed out"),
-            },
+            "responses": _responses(),
         }
+    }
+
+
+def _responses() -> dict[str, Any]:
+    """The answers of a completion route (docs/api.md)."""
+    return {
+        "200": {
+            "description": "Successful Response (JSON, or text/event-stream when stream)",
+            "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
+        },
+        "401": _error("Missing or unknown API key"),
+        "404": _error("Unknown model"),
+        "413": _error("Body too large"),
+        "422": {
+            "description": "Validation Error",
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}
+            },
+        },
+        "429": _error("No capacity now; see Retry-After"),
+        "502": _error("The worker failed"),
+        "503": _error("Nothing can serve"),
+        "504": _error("The worker timed out"),
     }
 
 

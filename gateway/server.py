@@ -118,11 +118,8 @@ async def serve_together(
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
     try:
-        while not all(s.started for s in servers):
-            if any(t.done() for t in tasks):
-                break
-            await asyncio.sleep(0.05)  # uvicorn has no started event to wait on
-        if on_ready is not None and all(s.started and not s.should_exit for s in servers):
+        started = await _all_started(servers, tasks)
+        if on_ready is not None and started and not any(s.should_exit for s in servers):
             on_ready()
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -134,3 +131,14 @@ async def serve_together(
     failed = [r for r in results if isinstance(r, Exception)]
     if failed:
         raise failed[0]
+
+
+async def _all_started(
+    servers: Sequence[_QuietServer], tasks: Sequence[asyncio.Task[None]]
+) -> bool:
+    """Until every server has started (True) or one of them ended first (False)."""
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            return False
+        await asyncio.sleep(0.05)  # uvicorn has no started event to wait on
+    return True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pydantic
 import pytest
 
@@ -79,3 +82,44 @@ def test_the_tier_table_is_whole_and_ordered() -> None:
 
 def test_worker_priority_is_vllms_lower_first() -> None:
     assert [t.worker_priority for t in (Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX)] == [-1, 0, 1]
+
+
+def documented_tiers() -> list[tuple[str, float, float, float]]:
+    """docs/api.md's tier table in its order: (name, ceiling, queue timeout s, price)."""
+    text = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    table = text.split("## Tiers", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        name, _served, ceiling, timeout, price = (c.strip() for c in line.strip("|").split("|"))
+        rows.append((
+            name.strip("`"),
+            float(re.match(r"[\d.]+", ceiling)[0]) / 100,  # type: ignore[index]
+            float(timeout.removesuffix(" s")),
+            float(price.removeprefix("x ")),
+        ))  # fmt: skip
+    return rows
+
+
+def test_the_tiers_and_their_defaults_are_the_documented_contract() -> None:
+    """The code against docs/api.md's table, not against itself: the names, the order they
+    are served in, and each tier's default ceiling, queue timeout and price."""
+    rows = documented_tiers()
+    assert [name for name, *_ in rows] == [t.value for t in BY_RANK]
+    assert {name for name, *_ in rows} == set(Tier)
+    for name, ceiling, timeout, price in rows:
+        policy = TiersConfig().policy(Tier(name))
+        got = (policy.max_utilization, policy.queue_timeout_s, policy.price_multiplier)
+        assert got == (ceiling, timeout, price), name
+
+
+def test_a_tier_configured_in_part_keeps_its_own_defaults_for_the_rest() -> None:
+    """flex given only a timeout stays flex (80 %, x 0.5), not TierPolicy's generic 100 %."""
+    cfg = TiersConfig.model_validate({"flex": {"queue_timeout_s": 5}})
+    assert cfg.flex == TierPolicy(max_utilization=0.8, queue_timeout_s=5, price_multiplier=0.5)
+    assert cfg.priority == TiersConfig().priority  # the others untouched
+
+
+def test_rank_is_the_place_in_the_queue_order() -> None:
+    assert [t.rank for t in BY_RANK] == [0, 1, 2]
+    assert min(Tier, key=lambda t: t.rank) is Tier.PRIORITY
+    assert max(Tier, key=lambda t: t.rank) is Tier.FLEX

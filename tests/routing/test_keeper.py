@@ -1,0 +1,213 @@
+"""The keeper's rounds (routing/keeper.py) against the run's Redis: the sweep writes back
+what Redis lost, says the replica is alive, survives whatever a round raises; the spool
+round sends spooled records and reports those Redis refuses. What tests/routing/
+test_admission.py already covers (leases kept alive, lost wake-ups, a `_round` that raises
+once) is not repeated here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from gateway.settings import parse_config
+from routing.admission import Admission
+from routing.background import BackgroundErrors
+from routing.keeper import REPLICAS_KEY, Keeper
+from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool
+from routing.registry import Registry
+from routing.storeerrors import StoreErrors
+from tests.conftest import REDIS_URL
+from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, intercept
+
+RID = "t-keeper-"
+
+
+@pytest.fixture
+async def fleet(real_redis: aioredis.Redis) -> AsyncIterator[Fleet]:
+    config = parse_config(CONFIG, "t.yaml")
+    built = Fleet(config, Registry(config.models), real_redis)
+    try:
+        yield built
+    finally:
+        await built.close()
+
+
+class RecordingStoreErrors(StoreErrors):
+    """Store errors as reported: (exception, where)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reports: list[tuple[BaseException, str]] = []
+
+    def report(self, exc: BaseException, where: str, *, refused: bool = False) -> Any:
+        self.reports.append((exc, where))
+        return super().report(exc, where, refused=refused)
+
+
+class SucceedingErrors(BackgroundErrors):
+    """Background errors that set `swept` once a sweep round succeeds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swept = asyncio.Event()
+
+    def succeeded(self, task: str) -> None:
+        super().succeeded(task)
+        if task == "sweep":
+            self.swept.set()
+
+
+def is_sweep(calls: Sequence[Any]) -> bool:
+    return any(name == "heartbeat" for name, _, _ in calls)
+
+
+def keeper_of(fleet: Fleet, adm: Admission, **options: Any) -> Keeper:
+    """A keeper not started: its rounds are run by hand."""
+    return Keeper(adm, fleet.client(socket_timeout=None), **options)
+
+
+def record(i: int) -> dict[str, str]:
+    return {"request_id": f"{RID}{i}", "account": "t-keeper", "status": "200"}
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+
+async def test_the_sweep_writes_back_what_redis_lost_on_an_empty_restart(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    await bounded(keeper.sweep_once())
+    await real_redis.flushdb()  # Redis restarted with nothing
+    assert await fleet.leases("two") == 0 and await fleet.account() == 0
+    await bounded(keeper.sweep_once())
+    assert await fleet.leases("two") == 1  # the lease, at its endpoint
+    assert await fleet.load("two") == 1
+    assert await fleet.account() == 1  # and the account's entry
+    assert keeper.states["two"].inflight == 1
+    await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
+async def test_the_sweep_says_the_replica_is_alive(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    adm = await fleet.admission()
+    await bounded(keeper_of(fleet, adm).sweep_once())
+    assert await real_redis.zscore(REPLICAS_KEY, adm.replica_id) is not None
+
+
+async def test_a_sweep_that_never_ran_knows_no_model(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    assert keeper.states == {}
+    await bounded(keeper.sweep_once())
+    assert set(keeper.states) == set(fleet.registry.names())
+    assert all(state.inflight == 0 for state in keeper.states.values())
+
+
+async def test_the_sweep_loop_goes_on_through_unexpected_errors_and_counts_them(
+    fleet: Fleet,
+) -> None:
+    """Rounds whose store call raises something no one foresaw (not a Redis error) are
+    counted one by one; the loop runs the next round, which applies as usual."""
+    adm = await fleet.admission()
+    errors = SucceedingErrors()
+    keeper = keeper_of(fleet, adm, interval_s=0.0, errors=errors)
+    failures = 3
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        nonlocal failures
+        if is_sweep(calls) and failures:
+            failures -= 1
+            raise KeyError("a bug in a round")
+        return await send()
+
+    intercept(adm, around)
+    await keeper.start()
+    try:
+        await bounded(errors.swept.wait())
+    finally:
+        await bounded(keeper.close())
+    assert errors.counts["sweep"] == 3
+    assert keeper.states["two"].inflight == 0
+
+
+async def test_a_sweep_with_an_error_reply_applies_the_rest_and_raises(fleet: Fleet) -> None:
+    """One model's call refused by Redis: the others' replies still apply, and the round
+    raises (for `every` to count)."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    names = list(adm.slots)
+    refused = names[0]
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        replies = await send()
+        if is_sweep(calls):
+            replies[0] = ResponseError("BUSY refused")
+        return replies
+
+    intercept(adm, around)
+    with pytest.raises(ResponseError):
+        await bounded(keeper.sweep_once())
+    assert refused not in keeper.states
+    assert set(keeper.states) == set(names[1:])
+
+
+# --- the spool round ---------------------------------------------------------------------------
+
+
+async def test_the_spool_round_without_a_spool_does_nothing(fleet: Fleet) -> None:
+    adm = await fleet.admission()
+    sent: list[Sequence[Any]] = []
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        sent.append(calls)
+        return await send()
+
+    intercept(adm, around)
+    await bounded(keeper_of(fleet, adm)._tend_spool())
+    assert sent == []
+
+
+async def test_the_spool_round_sends_the_spooled_records(
+    fleet: Fleet, usage_redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
+    adm = await fleet.admission(spool=spool)
+    for i in range(3):
+        assert spool.add(record(i))
+    await bounded(keeper_of(fleet, adm)._tend_spool())
+    assert not spool.pending()
+    entries = await usage_redis.xrange(USAGE_STREAM)
+    rids = [fields[b"request_id"].decode() for _, fields in entries]
+    assert [rid for rid in rids if rid.startswith(RID)] == [f"{RID}{i}" for i in range(3)]
+
+
+async def test_a_record_redis_refuses_is_reported_and_stays_spooled(
+    fleet: Fleet, usage_redis: aioredis.Redis, tmp_path: Path
+) -> None:
+    spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
+    adm = await fleet.admission(spool=spool)
+    store = RecordingStoreErrors()
+    keeper = keeper_of(fleet, adm, errors=BackgroundErrors(store))
+    assert spool.add(record(1))
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if calls[0][0] == "usage":
+            return [ResponseError("OOM command not allowed") for _ in calls]
+        return await send()
+
+    intercept(adm, around)
+    await bounded(keeper._tend_spool())
+    assert [where for _, where in store.reports] == ["spool"]
+    assert isinstance(store.reports[0][0], ResponseError)
+    assert spool.pending()  # tried again next round
