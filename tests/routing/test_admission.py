@@ -708,13 +708,12 @@ async def test_outage_admits_the_local_share_under_local(fleet: Fleet) -> None:
     adm.local.saw([adm.replica_id, "other"])
     one = (await admit(adm, fleet.plan("two"))).lease
     await expect_limited(admit(adm, fleet.plan("two")), "model_busy")
-    # `one` (capacity 1) goes to the first replica of the sorted list only.
-    first = sorted([adm.replica_id, "other"])[0] == adm.replica_id
-    if first:
-        await bounded(adm.release((await admit(adm, fleet.plan("one"))).lease))
-    else:
-        with pytest.raises(Unavailable, match="share"):
-            await admit(adm, fleet.plan("one"))
+    # `one` (capacity 1) goes to the first replica of the sorted list only: both orders.
+    adm.local.saw([adm.replica_id, "~after-every-id"])
+    await bounded(adm.release((await admit(adm, fleet.plan("one"))).lease))
+    adm.local.saw([adm.replica_id, "0-before-every-id"])
+    with pytest.raises(Unavailable, match="share"):
+        await admit(adm, fleet.plan("one"))
     await bounded(adm.release(one))
 
 
