@@ -9,7 +9,7 @@ because the worker would see the string, not the coerced number.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -22,6 +22,8 @@ from pydantic import (
     Tag,
 )
 from pydantic_core import PydanticCustomError
+
+from tiers.resolve import BODY_ALIASES
 
 # An immutable compiled pattern, not state: any ':' or '@' marks a deploy_id:, :revision or
 # host:port specifier, which the fallback list must not carry (docs/api.md).
@@ -75,7 +77,12 @@ def by_shape(expected: str) -> Discriminator:
     )
 
 
-ServiceTier = Literal["default", "priority", "flex", "auto", "standard_only"]
+# The body's `service_tier` values come from the tier package (the tiers and their aliases),
+# so a new tier needs no edit here; the same Literal for pydantic's message and schema.
+if TYPE_CHECKING:
+    ServiceTier = str
+else:
+    ServiceTier = Literal[tuple(BODY_ALIASES)]
 
 TokenId = StrictInt
 
