@@ -113,10 +113,8 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     config = parse_config(config_text(redis_url), "bench.yaml")
     registry = Registry(config.models)
     # The store the gateway itself uses for redis:// URLs (routing/resp.py).
-    admission = Admission(
-        client, registry, config.tiers, lease_ttl_s=30, on_outage="reject",
-        store=RespClient(redis_url),
-    )  # fmt: skip
+    store = RespClient(redis_url)
+    admission = Admission(store, registry, config.tiers, lease_ttl_s=30, on_outage="reject")
     await admission.start()
     plan = plan_candidates("bench", None, fail_fast=True, registry=registry, allowed=None)
 
@@ -142,6 +140,7 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     per_429 = trips.count / (n + min(50, n))
     for admitted in held:
         await admission.release(admitted.lease)
+    await store.aclose()
     await client.aclose()
     return {
         "redis_ping": percentiles(ping),

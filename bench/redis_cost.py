@@ -67,16 +67,14 @@ def config_text(models: Sequence[str]) -> str:
     return f"redis: {{url: 'redis://unused', lease_ttl_s: 30}}\nmodels:\n{rows}"
 
 
-async def admission_for(
-    url: str, models: Sequence[str], replica: str, client: aioredis.Redis
-) -> tuple[Admission, Any]:
+async def admission_for(url: str, models: Sequence[str], replica: str) -> tuple[Admission, Any]:
     """An Admission as `gateway serve` builds one for redis:// (the lean client on the hot
     path), its scripts loaded; and the plan of a request for the first model."""
     config = parse_config(config_text(models), "bench.yaml")
     registry = Registry(config.models)
     admission = Admission(
-        client, registry, config.tiers,
-        lease_ttl_s=30, on_outage="reject", store=RespClient(url), replica_id=replica,
+        RespClient(url), registry, config.tiers,
+        lease_ttl_s=30, on_outage="reject", replica_id=replica,
     )  # fmt: skip
     await admission.start()
     plan = plan_candidates(models[0], None, fail_fast=False, registry=registry, allowed=None)
@@ -85,8 +83,7 @@ async def admission_for(
 
 async def close(admission: Admission) -> None:
     await admission.close()
-    if isinstance(admission.store, RespClient):
-        await admission.store.aclose()
+    await admission.store.aclose()
 
 
 @contextlib.contextmanager
@@ -251,7 +248,7 @@ async def idle(
     replica = f"{TAG}-idle{count}"
     models = [f"{replica}-{i}" for i in range(count)]
     cleanup.replicas.append(replica)
-    admission, _ = await admission_for(url, models, replica, info)
+    admission, _ = await admission_for(url, models, replica)
     pubsub = aioredis.Redis.from_url(url)
     keeper = Keeper(admission, pubsub, interval_s=1.0)
     try:
@@ -284,7 +281,7 @@ async def measure(url: str, n: int, batch: int, count: int, idle_s: float) -> di
     info = aioredis.Redis.from_url(url)
     results: dict[str, Any] = {"redis_version": (await info.info("server"))["redis_version"]}
     async with rediskit.Cleanup(info) as cleanup:
-        admission, plan = await admission_for(url, [TAG], f"{TAG}-r", info)
+        admission, plan = await admission_for(url, [TAG], f"{TAG}-r")
         try:
             batches, lease_id, delta = await capture(admission, plan, info)
             results["one_admission"] = one_admission(batches, delta)

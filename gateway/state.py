@@ -20,7 +20,6 @@ from routing.health import Health
 from routing.keeper import Keeper
 from routing.ledger import UsageSpool
 from routing.registry import Registry
-from routing.scripts import Scripts
 from routing.store import call_timeout, connect, probe, script_store, subscriber
 from routing.storeerrors import StoreErrors
 from routing.upstream import Upstream
@@ -74,17 +73,15 @@ class GatewayState:
     def _admission(self, sweep_interval_s: float) -> tuple[Admission, Keeper]:
         redis = self.config.redis
         admission = Admission(
-            self.redis,
+            script_store(redis.url, self.redis, redis.command_timeout_s),
             self.registry,
             self.config.tiers,
             lease_ttl_s=redis.lease_ttl_s,
             on_outage=redis.on_outage,
-            store=script_store(redis.url, self.redis, redis.command_timeout_s),
             spool=UsageSpool(self.config.usage, redis.url),
             sweep_interval_s=sweep_interval_s,
             command_timeout_s=redis.command_timeout_s,
             store_errors=self.store_errors,
-            scripts=Scripts(self._call_timeout_s),
         )
         keeper = Keeper(
             admission,
@@ -204,8 +201,7 @@ class GatewayState:
         await self.admission.close()
         if self.admission.ledger.spool is not None:
             self.admission.ledger.spool.close()
-        if self.admission.store is not self.redis:
-            await self.admission.store.aclose()
+        await self.admission.store.aclose()
         await self.upstream.close()
         if self.keeper.pubsub_redis is not self.redis:
             await self.keeper.pubsub_redis.aclose()

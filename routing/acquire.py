@@ -75,7 +75,7 @@ class Acquire:
         calls = self._calls(walk, cand, tier)
         with_account = not walk.has_account
         replies = await self.handback.outliving(
-            self.scripts.submit(self.store, calls), walk.lease_id, model,
+            self.scripts.send(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
         if with_account and not isinstance(replies[0], Exception) and int(replies[0]) == 1:

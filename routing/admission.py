@@ -25,8 +25,6 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from routing import refusals
 from routing.acquire import Acquire, Walk
 from routing.errors import RoutingError, Unavailable, UnavailableReason
@@ -37,7 +35,7 @@ from routing.ledger import Ledger, UsageSpool, store_sender
 from routing.outage import LocalShares, Outage
 from routing.plan import Candidate
 from routing.registry import Model, Registry
-from routing.scripts import STORE_ERRORS, Scripts, Store
+from routing.scripts import STORE_ERRORS, Scripts
 from routing.slots import (
     GRANTED,
     QUEUED,
@@ -48,6 +46,7 @@ from routing.slots import (
     account_key,
     text,
 )
+from routing.store import Store
 from routing.storeerrors import StoreErrors
 from routing.waiting import Waiting
 from tiers.policy import Tier, TiersConfig
@@ -65,13 +64,12 @@ class Admitted:
 class Admission:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        store: Store,
         registry: Registry,
         tiers: TiersConfig,
         *,
         lease_ttl_s: float,
         on_outage: str,
-        store: Store | None = None,
         spool: UsageSpool | None = None,
         replica_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -81,8 +79,8 @@ class Admission:
         scripts: Scripts | None = None,
     ) -> None:
         # Where the scripts run: the lean pipelining client when the URL allows it.
-        self.store: Store = store if store is not None else redis
-        self.scripts = scripts if scripts is not None else Scripts(command_timeout_s)
+        self.store = store
+        self.scripts = scripts if scripts is not None else Scripts()
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
         self._tiers = tiers
@@ -200,7 +198,7 @@ class Admission:
         (no waiter can take it meanwhile). False when there is none."""
         call = self.slots[lease.model].move(lease.id, avoid, only)
         try:
-            endpoint = text(await asyncio.shield(self.scripts.run(self.store, call)))
+            endpoint = text(await asyncio.shield(self.scripts.call(self.store, call)))
         except STORE_ERRORS:
             return False
         if not endpoint:

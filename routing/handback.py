@@ -19,8 +19,9 @@ from routing.estimate import RetryAfter
 from routing.holdings import Holdings, Lease
 from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call
 from routing.resp import NotSent
-from routing.scripts import STORE_ERRORS, Scripts, Store, first_error
+from routing.scripts import STORE_ERRORS, Scripts, first_error
 from routing.slots import ModelSlots, text
+from routing.store import Store
 from routing.storeerrors import StoreErrors
 from tiers.usage import encodable
 
@@ -70,7 +71,7 @@ class Handback:
         if usage is not None:
             retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
             calls.append(record_call(usage, retention))
-        sent = self.scripts.submit(self.store, calls)
+        sent = self.scripts.send(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
         sent.add_done_callback(partial(self._released, lease, usage, released))
@@ -103,7 +104,7 @@ class Handback:
     def claim(self, lease_id: str, model: str, endpoint: str) -> None:
         """A woken waiter claims its grant for the full lease TTL (an unclaimed grant goes
         back after the claim time)."""
-        sent = self.scripts.submit(self.store, [self.slots[model].claim([(lease_id, endpoint)])])
+        sent = self.scripts.send(self.store, [self.slots[model].claim([(lease_id, endpoint)])])
         sent.add_done_callback(partial(self._claimed, model))
         self._track(sent)
 
@@ -129,7 +130,7 @@ class Handback:
             calls.append(("ZREM", [account], [lease_id]))
         if not calls:
             return
-        sent = self.scripts.submit(self.store, calls)
+        sent = self.scripts.send(self.store, calls)
         sent.add_done_callback(partial(self._given_back, lease_id, model, account))
         self._track(sent)
 

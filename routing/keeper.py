@@ -96,7 +96,7 @@ class Keeper:
 
     async def sweep_once(self) -> None:
         work = self._round()
-        replies = await self.admission.scripts.submit(self.admission.store, work.calls)
+        replies = await self.admission.scripts.send(self.admission.store, work.calls)
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error

@@ -25,9 +25,10 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing import spoolfile
-from routing.scripts import Call, Scripts, Store
+from routing.scripts import Call, Scripts
 from routing.slots import text
 from routing.spoolfile import SpoolPaths
+from routing.store import Store
 
 log = logging.getLogger("gateway.usage")
 
@@ -80,7 +81,7 @@ def store_sender(scripts: Scripts, store: Store) -> Send:
     scripts Redis lost are reloaded and the calls that did not run resent)."""
 
     async def send(calls: Sequence[Call]) -> list[Any]:
-        return await scripts.submit(store, calls)
+        return await scripts.send(store, calls)
 
     return send
 

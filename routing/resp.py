@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlparse
 
 import hiredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = Sequence[Any]
@@ -245,14 +245,21 @@ class RespClient:
     def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
         """Write the commands now; the future gets their replies (error replies as
         exception objects in the list; a lost connection, a full queue or a call not
-        answered within `command_timeout_s` as the future's exception)."""
+        answered within `command_timeout_s` as the future's exception; an argument that
+        cannot be encoded as `DataError`, nothing sent). The `Store` of routing/store.py."""
+        try:
+            payload = pack(commands)
+        except UnicodeError as exc:  # an argument Redis could not be sent: not an outage
+            failed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
+            return failed
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
-            return protocol.send(pack(commands), len(commands))
+            return protocol.send(payload, len(commands))
         deadline = asyncio.get_running_loop().time() + self._timeout
-        return asyncio.ensure_future(self._send_connecting(commands, deadline))
+        return asyncio.ensure_future(self._send_connecting(payload, len(commands), deadline))
 
-    async def _send_connecting(self, commands: Sequence[Command], deadline: float) -> list[Any]:
+    async def _send_connecting(self, payload: bytes, count: int, deadline: float) -> list[Any]:
         # The wait for a connection counts against the call's own deadline.
         refused = self._refused
         if refused is not None and asyncio.get_running_loop().time() < refused[0]:
@@ -268,7 +275,7 @@ class RespClient:
             raise NotSent(str(exc)) from exc
         if asyncio.get_running_loop().time() >= deadline:  # due already: spare the new link
             raise NotSent(str(_timeout(self._timeout)))
-        return await protocol.send(pack(commands), len(commands), deadline)
+        return await protocol.send(payload, count, deadline)
 
     async def _connect(self) -> _Protocol:
         try:

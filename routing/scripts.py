@@ -3,7 +3,8 @@
 A batch is several calls sent in one round trip. Its replies come back one per call, with
 a call's own error reply (a NOSCRIPT, an OOM refusal, a script error) as an exception
 object in its place, so that whoever sent the batch can give back what the other calls
-took. A lost connection or a missed deadline fails the whole batch instead.
+took. A lost connection or a missed deadline fails the whole batch instead. Batches go
+through a `Store` (routing/store.py), whichever client carries it.
 
 Not redis-py's `register_script`: its pipelines ask SCRIPT EXISTS before every execute, a
 second round trip on the hot path. Here a NOSCRIPT reply (Redis restarted empty) reloads the
@@ -20,17 +21,13 @@ from functools import partial
 from importlib import resources
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import DataError, NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError
 
-from routing.resp import RespClient
+from routing.store import Store
 
 # One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
 # Redis command (e.g. ZREM) with KEYS and ARGV as its arguments.
 Call = tuple[str, Sequence[str], Sequence[Any]]
-
-# Where the scripts run: the lean pipelining client, or redis-py (memory://, rediss://).
-Store = RespClient | aioredis.Redis
 
 # What a failed call raises: Redis did not do it, or may not have (the outage answers).
 STORE_ERRORS = (RedisError, OSError)
@@ -48,99 +45,62 @@ def first_error(replies: Sequence[Any]) -> Exception | None:
 
 
 class Scripts:
-    def __init__(self, command_timeout_s: float | None = 2.0) -> None:
+    def __init__(self) -> None:
         prelude = _lua("prelude.lua")
         self._text = {n: prelude + _lua(f"{n}.lua") for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
-        # Bounds the redis-py path as a whole (the RESP client has its own deadline); None
-        # for memory:// (routing/store.py, `call_timeout`).
-        self._timeout = command_timeout_s
 
-    async def load(self, client: Store) -> None:
-        if isinstance(client, RespClient):
-            replies = await client.send([("SCRIPT", "LOAD", t) for t in self._text.values()])
-        else:
-            async with asyncio.timeout(self._timeout):
-                replies = [await client.script_load(t) for t in self._text.values()]
+    async def load(self, store: Store) -> None:
+        replies = await store.send([("SCRIPT", "LOAD", t) for t in self._text.values()])
         for name, sha in zip(self._text, replies, strict=True):
             if isinstance(sha, Exception):
                 raise sha
             if (sha.decode() if isinstance(sha, bytes) else sha) != self.sha[name]:
                 raise RuntimeError(f"script {name}: Redis computed another sha1")
 
-    def submit(self, client: Store, calls: Sequence[Call]) -> asyncio.Future[list[Any]]:
+    def send(self, store: Store, calls: Sequence[Call]) -> asyncio.Future[list[Any]]:
         """Send the calls in one round trip, now; the future gets one reply per call (error
         replies in place). They are on their way even if whoever awaits is cancelled."""
-        if not isinstance(client, RespClient):
-            return asyncio.ensure_future(self._send(client, calls))
-        # The hot path: written in this tick, no task per call.
+        # The hot path: written in this tick by the lean client, no task per call.
         outer: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        try:
-            sent = client.send(self._commands(calls))
-        except UnicodeError as exc:  # an argument Redis could not be sent: not an outage
-            outer.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
-            return outer
-        sent.add_done_callback(partial(self._settle, client, calls, outer))
+        sent = store.send(self._commands(calls))
+        sent.add_done_callback(partial(self._settle, store, calls, outer))
         return outer
+
+    async def call(self, store: Store, call: Call) -> Any:
+        """One call; its error reply raised."""
+        reply = (await self.send(store, [call]))[0]
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def _settle(
         self,
-        client: RespClient,
+        store: Store,
         calls: Sequence[Call],
         outer: asyncio.Future[list[Any]],
         done: asyncio.Future[list[Any]],
     ) -> None:
         answered = not done.cancelled() and done.exception() is None
         if answered and any(isinstance(r, NoScriptError) for r in done.result()):
-            retry = asyncio.ensure_future(self._resend_missing(client, calls, done.result()))
+            retry = asyncio.ensure_future(self._resend_missing(store, calls, done.result()))
             retry.add_done_callback(partial(_chain, outer))
         else:
             _chain(outer, done)
 
-    async def run(self, client: Store, call: Call) -> Any:
-        """One call; its error reply raised."""
-        reply = (await self.submit(client, [call]))[0]
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    async def execute(self, client: Store, calls: Sequence[Call]) -> list[Any]:
-        """Several calls; the first error reply raised (for callers with nothing to undo)."""
-        replies = await self.submit(client, calls)
-        if (error := first_error(replies)) is not None:
-            raise error
-        return replies
-
-    async def _send(self, client: aioredis.Redis, calls: Sequence[Call]) -> list[Any]:
-        replies = await self._pipeline(client, self._commands(calls))
-        if any(isinstance(r, NoScriptError) for r in replies):
-            replies = await self._resend_missing(client, calls, replies)
-        return replies
-
     async def _resend_missing(
-        self, client: Store, calls: Sequence[Call], replies: list[Any]
+        self, store: Store, calls: Sequence[Call], replies: list[Any]
     ) -> list[Any]:
         """Redis lost its scripts (restart, failover, SCRIPT FLUSH): load them, then resend
         only the calls that did not run."""
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        await self.load(client)
-        commands = self._commands([calls[i] for i in missing])
-        if isinstance(client, RespClient):
-            again = await client.send(commands)
-        else:
-            again = await self._pipeline(client, commands)
+        await self.load(store)
+        again = await store.send(self._commands([calls[i] for i in missing]))
         merged = list(replies)
         for i, reply in zip(missing, again, strict=True):
             merged[i] = reply
         return merged
-
-    async def _pipeline(self, client: aioredis.Redis, commands: list[list[Any]]) -> list[Any]:
-        async with asyncio.timeout(self._timeout):
-            pipe = client.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(await pipe.execute(raise_on_error=False))
 
     def _commands(self, calls: Sequence[Call]) -> list[list[Any]]:
         commands = []

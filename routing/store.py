@@ -1,16 +1,18 @@
 """The connection to the shared store (Redis), or an in-process stand-in for `memory://`;
-and the probe that asks it whether the gateway can use it (at start and on /readyz)."""
+the `Store` where admission scripts run, whichever client carries it; and the probe that
+asks the store whether the gateway can use it (at start and on /readyz)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import DataError, NoScriptError, RedisError
 
-from routing.resp import RespClient, keepalive_options
+from routing.resp import Command, RespClient, keepalive_options
 from routing.storeerrors import Cause, cause_of
 
 # redis-py connections per process. The hot path of redis:// and unix:// needs none (one
@@ -46,14 +48,52 @@ def call_timeout(url: str, command_timeout_s: float) -> float | None:
     return None if url.startswith("memory://") else command_timeout_s
 
 
-def script_store(
-    url: str, client: aioredis.Redis, command_timeout_s: float
-) -> RespClient | aioredis.Redis:
+class Store(Protocol):
+    """Where admission scripts run (routing/scripts.py): `RespClient`, or `RedisPyStore`."""
+
+    def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
+        """Send the commands in one round trip, now; the future gets one reply per command,
+        a command's own error reply as an exception object in its place. A lost connection
+        or a missed deadline fails the whole future; an argument that cannot be encoded
+        fails it with `DataError` (nothing was sent)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class RedisPyStore:
+    """The `Store` over redis-py (memory://, rediss://): each send is one non-transactional
+    pipeline, bounded as a whole by `timeout_s` (None for memory://, see `call_timeout`).
+    The client is its owner's: `aclose` leaves it open."""
+
+    def __init__(self, client: aioredis.Redis, timeout_s: float | None) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+
+    def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
+        # A task: the pipeline goes out whether or not anyone awaits its replies.
+        return asyncio.ensure_future(self._pipeline(commands))
+
+    async def _pipeline(self, commands: Sequence[Command]) -> list[Any]:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                pipe = self.client.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                return list(await pipe.execute(raise_on_error=False))
+        except UnicodeError as exc:  # raised before anything is written: not an outage
+            raise DataError(f"cannot encode a Redis argument: {exc}") from exc
+
+    async def aclose(self) -> None:
+        pass
+
+
+def script_store(url: str, client: aioredis.Redis, command_timeout_s: float) -> Store:
     """Where admission scripts run: the lean pipelining client for redis:// and unix://,
     else (memory://, rediss://) the redis-py `client`."""
     if RespClient.supports(url):
         return RespClient(url, command_timeout_s=command_timeout_s)
-    return client
+    return RedisPyStore(client, call_timeout(url, command_timeout_s))
 
 
 def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:

@@ -58,7 +58,7 @@ class Waiting:
 
     async def _cancel(self, lease_id: str, model: str) -> str | None:
         """Timed out; the slot may have been granted just now (its message still on the way)."""
-        sent = self.scripts.submit(self.store, [self.slots[model].cancel(lease_id)])
+        sent = self.scripts.send(self.store, [self.slots[model].cancel(lease_id)])
         reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
         if isinstance(reply, Exception):
             self.handback.give_back(lease_id, model, None)

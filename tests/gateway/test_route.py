@@ -218,7 +218,7 @@ async def test_an_admission_store_outage_is_a_503_counted_under_the_model_tried(
         failed.set_exception(RedisConnectionError("connection refused"))
         return failed
 
-    monkeypatch.setattr(app.state.admission.scripts, "submit", down)
+    monkeypatch.setattr(app.state.admission.scripts, "send", down)
     extra = b"" if models is None else b', "models": ' + orjson.dumps(models)
     resp = await send(app, BASE + extra + b"}", uuid.uuid4().hex)
     assert resp.status_code == 503, resp.text

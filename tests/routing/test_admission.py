@@ -25,7 +25,7 @@ from routing.plan import Candidate, plan_candidates
 from routing.registry import Model, Registry
 from routing.resp import RespClient
 from routing.slots import QUEUED, text
-from routing.store import MAX_CONNECTIONS
+from routing.store import MAX_CONNECTIONS, RedisPyStore, Store
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
@@ -123,15 +123,15 @@ class Fleet:
         else:
             client = redis if redis is not None else self.client()
             url = DEAD_URL if redis is not None else REDIS_URL
-        adm = Admission(
-            client,
-            self.registry,
-            self.config.tiers,
-            lease_ttl_s=30,
-            on_outage=on_outage,
-            store=RespClient(url, connect_timeout_s=0.5) if self.store == "resp" else None,
-            spool=spool,
+        store: Store = (
+            RespClient(url, connect_timeout_s=0.5)
+            if self.store == "resp"
+            else RedisPyStore(client, 2.0)
         )
+        adm = Admission(
+            store, self.registry, self.config.tiers, lease_ttl_s=30, on_outage=on_outage,
+            spool=spool,
+        )  # fmt: skip
         await bounded(adm.start())
         self._admissions.append(adm)
         return adm
@@ -166,8 +166,7 @@ class Fleet:
         while self._admissions:
             adm = self._admissions.pop()
             await bounded(adm.close())
-            if isinstance(adm.store, RespClient):
-                await adm.store.aclose()
+            await adm.store.aclose()
         while self._clients:
             await self._clients.pop().aclose()
 
@@ -243,12 +242,12 @@ Around = Callable[[Sequence[Any], Callable[[], Awaitable[list[Any]]]], Awaitable
 def intercept(adm: Admission, around: Around) -> None:
     """Route this replica's Redis calls through `around(calls, send)`; `send()` sends them.
     Like the real calls, they run on even if whoever awaits them is cancelled."""
-    inner = adm.scripts.submit
+    inner = adm.scripts.send
 
-    def submit(client: Any, calls: Sequence[Any]) -> asyncio.Future[list[Any]]:
-        return asyncio.ensure_future(around(calls, lambda: inner(client, calls)))
+    def send(store: Any, calls: Sequence[Any]) -> asyncio.Future[list[Any]]:
+        return asyncio.ensure_future(around(calls, lambda: inner(store, calls)))
 
-    adm.scripts.submit = submit  # type: ignore[method-assign]
+    adm.scripts.send = send  # type: ignore[method-assign]
 
 
 def watch_queued(adm: Admission) -> asyncio.Queue[str]:

@@ -29,8 +29,8 @@ from routing.ledger import (
 from routing.plan import plan_candidates
 from routing.registry import Registry
 from routing.resp import RespClient
-from routing.scripts import Scripts, Store
-from routing.store import connect
+from routing.scripts import Scripts
+from routing.store import RedisPyStore, Store, connect
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
@@ -86,12 +86,11 @@ def admission(
 ) -> Admission:
     config = parse_config(CONFIG, "t.yaml")
     return Admission(
-        redis,
+        RedisPyStore(redis, 2.0),
         Registry(config.models),
         config.tiers,
         lease_ttl_s=30,
         on_outage=on_outage,
-        store=None,
         spool=spool,
     )
 
@@ -154,8 +153,9 @@ async def test_usage_script_appends_once_per_request_id(usage_redis: aioredis.Re
     scripts = Scripts()
     flat = usage_fields()
     call = record_call(flat, 35 * DAY_S)
-    assert await bounded(scripts.execute(usage_redis, [call])) == [1]
-    assert await bounded(scripts.execute(usage_redis, [call])) == [0]
+    store = RedisPyStore(usage_redis, 2.0)
+    assert await bounded(scripts.send(store, [call])) == [1]
+    assert await bounded(scripts.send(store, [call])) == [0]
     assert await entries(usage_redis) == [flat]
     ttl = await usage_redis.ttl("{usage}:rid:" + flat["request_id"])
     assert DEDUPE_MAX_S - 60 < ttl <= DEDUPE_MAX_S
@@ -165,7 +165,7 @@ async def test_usage_script_appends_distinct_request_ids(usage_redis: aioredis.R
     scripts = Scripts()
     first, second = usage_fields(RID_PREFIX + "a"), usage_fields(RID_PREFIX + "b")
     calls = [record_call(first, DAY_S), record_call(second, DAY_S), record_call(first, DAY_S)]
-    assert await bounded(scripts.execute(usage_redis, calls)) == [1, 1, 0]
+    assert await bounded(scripts.send(RedisPyStore(usage_redis, 2.0), calls)) == [1, 1, 0]
     assert await entries(usage_redis) == [first, second]
 
 
@@ -175,7 +175,7 @@ async def test_a_reused_request_id_is_still_two_records(usage_redis: aioredis.Re
     first = {**usage_fields(), "attempt": "replica-1"}
     second = {**usage_fields(), "attempt": "replica-2"}
     calls = [record_call(first, DAY_S), record_call(second, DAY_S), record_call(first, DAY_S)]
-    assert await bounded(scripts.execute(usage_redis, calls)) == [1, 1, 0]
+    assert await bounded(scripts.send(RedisPyStore(usage_redis, 2.0), calls)) == [1, 1, 0]
 
 
 async def test_an_append_trims_entries_older_than_the_retention(
@@ -185,14 +185,14 @@ async def test_an_append_trims_entries_older_than_the_retention(
     now = await redis_ms(redis)
     await redis.xadd(USAGE_STREAM, {"old": "1"}, id="1-0")
     await redis.xadd(USAGE_STREAM, {"recent": "1"}, id=f"{now - 10_000}-0")
-    scripts = Scripts()
-    await bounded(scripts.execute(redis, [record_call(usage_fields(RID_PREFIX + "a"), DAY_S)]))
+    scripts, store = Scripts(), RedisPyStore(redis, 2.0)
+    await bounded(scripts.call(store, record_call(usage_fields(RID_PREFIX + "a"), DAY_S)))
     ids = [i.decode() for i, _ in await redis.xrange(USAGE_STREAM)]
     assert ids[0] == f"{now - 10_000}-0"  # older than a day: gone; 10 s old: kept
     assert len(ids) == 2
 
     # retention_days 0.00002 (1.7 s): the next append leaves only what is younger.
-    await bounded(scripts.execute(redis, [record_call(usage_fields(RID_PREFIX + "b"), 1.728)]))
+    await bounded(scripts.call(store, record_call(usage_fields(RID_PREFIX + "b"), 1.728)))
     left = await redis.xrange(USAGE_STREAM)
     assert all(int(i.decode().partition("-")[0]) >= now for i, _ in left)
     assert [d[b"request_id"].decode() for _, d in left] == [RID_PREFIX + "a", RID_PREFIX + "b"]
@@ -203,7 +203,7 @@ async def test_an_append_trims_entries_older_than_the_retention(
 
 async def test_round_trims_and_reads_length_and_oldest_age(node_per_entry: aioredis.Redis) -> None:
     redis = node_per_entry
-    send = store_sender(Scripts(), redis)
+    send = store_sender(Scripts(), RedisPyStore(redis, 2.0))
     assert await bounded(trim_stream(send, DAY_S)) == StreamStats(0, 0.0)
 
     now = await redis_ms(redis)
@@ -228,7 +228,7 @@ async def test_spool_round_trims_and_stores_the_stream_stats(
     await node_per_entry.xadd(USAGE_STREAM, {"old": "1"}, id="1-0")
     spool.add(usage_fields())
     assert spool.stream is None
-    await bounded(spool.tend(store_sender(Scripts(), node_per_entry)))
+    await bounded(spool.tend(store_sender(Scripts(), RedisPyStore(node_per_entry, 2.0))))
     assert spool.stream is not None and spool.stream.length == 1
     assert await entries(node_per_entry) == [usage_fields()]
     assert not spool.pending()
@@ -239,7 +239,7 @@ async def test_spool_round_on_the_in_process_store(tmp_path: Path) -> None:
     store = connect("memory://", command_timeout_s=2.0)
     spool = spool_in(tmp_path, "memory://")
     spool.add(usage_fields())
-    await bounded(spool.tend(store_sender(Scripts(), store)))
+    await bounded(spool.tend(store_sender(Scripts(), RedisPyStore(store, None))))
     assert await entries(store) == [usage_fields()]
     assert spool.stream is not None and spool.stream.length == 1
     assert not spool.pending()
@@ -252,7 +252,7 @@ async def test_spool_round_on_the_in_process_store(tmp_path: Path) -> None:
 async def test_sender_returns_error_replies_in_place(
     usage_redis: aioredis.Redis, lean: bool
 ) -> None:
-    store: Store = RespClient(REDIS_URL) if lean else usage_redis
+    store: Store = RespClient(REDIS_URL) if lean else RedisPyStore(usage_redis, 2.0)
     scripts = Scripts()
     send = store_sender(scripts, store)
     await usage_redis.set("gw:t-ledger:not-a-stream", "x")
@@ -271,12 +271,11 @@ async def test_sender_returns_error_replies_in_place(
         RID_PREFIX + "a",
         RID_PREFIX + "b",
     ]
-    if isinstance(store, RespClient):
-        await store.aclose()
+    await store.aclose()
 
 
 async def test_sender_raises_when_redis_is_away(dead_redis: aioredis.Redis) -> None:
-    send = store_sender(Scripts(), dead_redis)
+    send = store_sender(Scripts(), RedisPyStore(dead_redis, 2.0))
     with pytest.raises(STORE_ERRORS):
         await bounded(send([("XLEN", [USAGE_STREAM], [])]))
 
@@ -290,7 +289,7 @@ async def test_records_wait_in_the_spool_while_redis_is_full(tmp_path: Path) -> 
     try:
         filler = await fill(client)
         spool = spool_in(tmp_path / "spool", server.url)
-        send = store_sender(Scripts(), client)
+        send = store_sender(Scripts(), RedisPyStore(client, 2.0))
         flat = usage_fields()
         assert spool.add(flat)
         # Refused (OOM, before it wrote anything): kept, and the next round tries again.
@@ -352,13 +351,13 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
     assert await usage_redis.zcard(admitted.lease.account) == 1
 
     sent: list[list[str]] = []
-    submit = adm.scripts.submit
+    send = adm.scripts.send
 
-    def spy(client: Any, calls: Any) -> Any:
+    def spy(store: Any, calls: Any) -> Any:
         sent.append([name for name, _, _ in calls])
-        return submit(client, calls)
+        return send(store, calls)
 
-    monkeypatch.setattr(adm.scripts, "submit", spy)
+    monkeypatch.setattr(adm.scripts, "send", spy)
     flat = usage_fields()
     await bounded(adm.release(admitted.lease, flat))
     assert sent == [["release", "ZREM", "usage"]]

@@ -28,6 +28,7 @@ from routing.slots import (
     sweep_result,
     text,
 )
+from routing.store import RedisPyStore
 from tiers.policy import BY_RANK, Tier
 
 A, B = "http://a:8000", "http://b:8000"
@@ -54,11 +55,12 @@ class Model:
 
     def __init__(self, client: aioredis.Redis, model: ModelSlots) -> None:
         self.client = client
+        self.store = RedisPyStore(client, 2.0)
         self.slots = model
         self.scripts = Scripts()
 
     async def run(self, call: Any) -> Any:
-        return await asyncio.wait_for(self.scripts.run(self.client, call), 5)
+        return await asyncio.wait_for(self.scripts.call(self.store, call), 5)
 
     async def acquire(
         self,
@@ -344,11 +346,11 @@ async def test_sweep_drops_waiters_past_their_give_up_time(real_redis: aioredis.
 
 
 async def test_account_limit(real_redis: aioredis.Redis) -> None:
-    scripts = Scripts()
+    scripts, store = Scripts(), RedisPyStore(real_redis, 2.0)
     key = account_key("acme")
 
     async def take(lease_id: str) -> int:
-        return int(await scripts.run(real_redis, ("account", [key], [lease_id, 2, TTL_MS])))
+        return int(await scripts.call(store, ("account", [key], [lease_id, 2, TTL_MS])))
 
     assert [await take("a1"), await take("a2"), await take("a3")] == [1, 1, 0]
     assert await real_redis.zcard(key) == 2
@@ -360,12 +362,12 @@ async def test_account_limit(real_redis: aioredis.Redis) -> None:
     assert await take("a5") == 0
 
 
-async def test_execute_recovers_from_a_flushed_script_cache(real_redis: aioredis.Redis) -> None:
+async def test_send_recovers_from_a_flushed_script_cache(real_redis: aioredis.Redis) -> None:
     m = Model(real_redis, slots())
-    await m.scripts.load(real_redis)
+    await m.scripts.load(m.store)
     await real_redis.script_flush()
-    replies = await m.scripts.execute(
-        real_redis,
+    replies = await m.scripts.send(
+        m.store,
         [
             m.slots.acquire("l1", Tier.DEFAULT, may_wait=False),
             ("ZCARD", [m.slots.keys[0]], []),
@@ -389,8 +391,8 @@ async def test_a_flush_resends_only_the_calls_that_did_not_run(
     account_text = m.scripts._text["account"]
     assert text(await real_redis.script_load(account_text)) == m.scripts.sha["account"]
     key = account_key("t-once")
-    replies = await m.scripts.submit(
-        real_redis,
+    replies = await m.scripts.send(
+        m.store,
         [
             ("account", [key], ["l1", 5, TTL_MS]),
             m.slots.acquire("l1", Tier.DEFAULT, may_wait=False),
@@ -406,8 +408,8 @@ async def test_a_failing_call_leaves_the_others_replies_in_place(
 ) -> None:
     m = Model(real_redis, slots())
     await real_redis.set("t-not-a-zset", "x")
-    replies = await m.scripts.submit(
-        real_redis,
+    replies = await m.scripts.send(
+        m.store,
         [m.slots.acquire("l1", Tier.DEFAULT, may_wait=False), ("ZCARD", ["t-not-a-zset"], [])],
     )
     assert attempt(replies[0]).status == GRANTED
@@ -581,14 +583,14 @@ async def test_move_keeps_the_slot_from_the_queue(real_redis: aioredis.Redis) ->
 
 
 async def test_account_keep_writes_back_lost_entries(real_redis: aioredis.Redis) -> None:
-    scripts = Scripts()
+    scripts, store = Scripts(), RedisPyStore(real_redis, 2.0)
     key = account_key("t-keep")
-    await scripts.run(real_redis, ("account", [key], ["a1", 5, TTL_MS]))
+    await scripts.call(store, ("account", [key], ["a1", 5, TTL_MS]))
     await real_redis.delete(key)
-    restored = await scripts.run(real_redis, ("account_keep", [key], [TTL_MS, "a1", "a2"]))
+    restored = await scripts.call(store, ("account_keep", [key], [TTL_MS, "a1", "a2"]))
     assert [text(r) for r in restored] == ["a1", "a2"]
     assert [
-        text(r) for r in await scripts.run(real_redis, ("account_keep", [key], [TTL_MS, "a1"]))
+        text(r) for r in await scripts.call(store, ("account_keep", [key], [TTL_MS, "a1"]))
     ] == []
     assert await real_redis.zcard(key) == 2
     assert 0 < await real_redis.pttl(key) <= TTL_MS

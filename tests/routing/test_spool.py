@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 from routing import spoolfile
 from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool, store_sender
 from routing.scripts import Call, Scripts
+from routing.store import RedisPyStore
 from tests.conftest import REDIS_URL
 
 RID = "t-spool-"
@@ -271,7 +272,7 @@ async def test_a_torn_line_is_set_aside_and_the_rest_flushes(
     spool.add(record(2))  # starts on a line of its own
     with spool.path.open("ab") as out:
         out.write(b"\x00\xff not json\n[1, 2]\n" + orjson.dumps({"request_id": 7}) + b"\n")
-    send = store_sender(Scripts(), usage_redis)
+    send = store_sender(Scripts(), RedisPyStore(usage_redis, 2.0))
     assert await bounded(spool.flush(send)) == 2
     assert spool.bad_lines == 4
     assert not spool.pending()
@@ -326,7 +327,7 @@ async def test_adopts_only_gone_processes_of_the_same_store(
     alive = spool_in(tmp_path)  # this process, same store: alive, so never adopted
     alive.add(record("a1"))
     adopter = spool_in(tmp_path)
-    send = store_sender(Scripts(), usage_redis)
+    send = store_sender(Scripts(), RedisPyStore(usage_redis, 2.0))
 
     assert await bounded(adopter.adopt(send)) == 2
     stream = [data[b"request_id"] for _, data in await usage_redis.xrange(USAGE_STREAM)]

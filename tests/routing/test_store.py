@@ -1,15 +1,30 @@
-"""The redis-py clients: calls bounded by the command timeout, keepalive on, pub/sub unbounded."""
+"""The redis-py clients: calls bounded by the command timeout, keepalive on, pub/sub unbounded;
+the `Store` interface, over the lean client and over redis-py alike."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
+from redis.exceptions import DataError, ResponseError
 
 from routing.resp import RespClient
-from routing.store import MAX_CONNECTIONS, call_timeout, connect, script_store, subscriber
+from routing.scripts import Scripts
+from routing.slots import account_key
+from routing.store import (
+    MAX_CONNECTIONS,
+    RedisPyStore,
+    Store,
+    call_timeout,
+    connect,
+    script_store,
+    subscriber,
+)
 from tests.conftest import REDIS_URL
 
 
@@ -45,7 +60,12 @@ async def test_the_script_store_gets_the_command_timeout() -> None:
     try:
         assert isinstance(store, RespClient)
         assert store._timeout == 0.7
-        assert script_store("memory://", client, 0.7) is client
+        memory = script_store("memory://", client, 0.7)
+        assert isinstance(memory, RedisPyStore)
+        assert (memory.client, memory.timeout_s) == (client, None)
+        tls = script_store("rediss://127.0.0.1:1/0", client, 0.7)
+        assert isinstance(tls, RedisPyStore)
+        assert (tls.client, tls.timeout_s) == (client, 0.7)
     finally:
         await store.aclose()
         await client.aclose()
@@ -79,3 +99,73 @@ async def test_a_redis_py_call_waits_for_a_free_connection_within_the_timeout() 
         assert (pool.max_connections, pool.timeout) == (MAX_CONNECTIONS, 0.7)
     finally:
         await client.aclose()
+
+
+# --- the Store interface: the lean client and redis-py answer alike ---------------------------
+
+
+async def bounded(awaitable: Any) -> Any:
+    return await asyncio.wait_for(awaitable, 5)
+
+
+@pytest.fixture(params=["resp", "redis-py", "memory"])
+async def store_and_admin(
+    request: pytest.FixtureRequest, real_redis: aioredis.Redis
+) -> AsyncIterator[tuple[Store, aioredis.Redis]]:
+    """A Store of each kind, with a redis-py client on the same data (to set up, to flush
+    the scripts): the run's redis-server for the lean client and redis-py, fakeredis for
+    memory://."""
+    admin = connect("memory://", command_timeout_s=2.0) if request.param == "memory" else real_redis
+    store: Store = (
+        RespClient(REDIS_URL)
+        if request.param == "resp"
+        else RedisPyStore(admin, None if request.param == "memory" else 2.0)
+    )
+    try:
+        yield store, admin
+    finally:
+        await store.aclose()
+        if admin is not real_redis:
+            await admin.aclose()
+
+
+async def test_a_batch_answers_an_error_reply_in_its_place(
+    store_and_admin: tuple[Store, aioredis.Redis],
+) -> None:
+    store, _ = store_and_admin
+    key = "gw:t-store:list"
+    replies = await bounded(store.send([("RPUSH", key, "a"), ("INCR", key), ("LLEN", key)]))
+    assert replies[0] == 1
+    assert isinstance(replies[1], ResponseError)  # WRONGTYPE: the others ran all the same
+    assert replies[2] == 1
+
+
+async def test_an_argument_that_cannot_be_encoded_is_a_data_error(
+    store_and_admin: tuple[Store, aioredis.Redis],
+) -> None:
+    store, _ = store_and_admin
+    key = "gw:t-store:unsent"
+    with pytest.raises(DataError):
+        await bounded(store.send([("RPUSH", key, "a"), ("RPUSH", key, "\ud800")]))
+    # Nothing of the batch was sent, and the store still serves the next one.
+    assert await bounded(store.send([("LLEN", key)])) == [0]
+
+
+async def test_scripts_resend_only_the_calls_that_got_noscript(
+    store_and_admin: tuple[Store, aioredis.Redis],
+) -> None:
+    """Redis lost its scripts: they are loaded again through the store, and only the script
+    call is resent (the plain command ran in the first round trip)."""
+    store, admin = store_and_admin
+    scripts = Scripts()
+    await bounded(scripts.load(store))
+    await admin.script_flush()
+    key = account_key("t-store")
+    replies = await bounded(
+        scripts.send(store, [("account", [key], ["l1", 5, 30_000]), ("ZCARD", [key], [])])
+    )
+    assert replies == [1, 0]  # ZCARD ran before the account call got through, not after
+    assert await admin.zcard(key) == 1  # counted once
+    assert all(await admin.script_exists(*scripts.sha.values()))
+    assert await bounded(scripts.call(store, ("ZCARD", [key], []))) == 1
+    await admin.delete(key)
