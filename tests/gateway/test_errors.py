@@ -74,6 +74,12 @@ def test_the_tables_name_every_reason() -> None:
     assert set(UNAVAILABLE_CODES) == set(UnavailableReason)
 
 
+def test_docs_api_lists_every_429_code_and_no_other() -> None:
+    api = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text(encoding="utf-8")
+    rows = api.split("| 429 `code` |")[1].split("\n\n")[0]  # the table ends at a blank line
+    assert re.findall(r"^\| `([a-z_]+)` \|", rows, re.M) == list(LIMIT_CODES.values())
+
+
 @pytest.mark.parametrize("reason", list(LimitReason))
 def test_a_limit_is_a_429_with_its_reason_as_code_and_retry_after(reason: LimitReason) -> None:
     status, body, headers = answer(Limited("No slot.", reason, retry_after_s=7))
