@@ -114,6 +114,12 @@ def refused(body: bytes) -> dict[str, Any]:
     return error
 
 
+def assert_surrogate_refused(fragment: bytes, tail: bytes, loc: list[Any]) -> None:
+    error = refused(b'{"model": "m", ' + fragment + tail + b"}")
+    assert error["loc"] == loc
+    assert error["type"] == "string_unicode"
+
+
 @PATHS
 @pytest.mark.parametrize(
     ("fragment", "loc"),
@@ -129,9 +135,7 @@ def refused(body: bytes) -> dict[str, Any]:
 def test_lone_surrogate_in_a_value_is_422_naming_it(
     tail: bytes, fragment: bytes, loc: list[Any]
 ) -> None:
-    error = refused(b'{"model": "m", ' + fragment + tail + b"}")
-    assert error["loc"] == loc
-    assert error["type"] == "string_unicode"
+    assert_surrogate_refused(fragment, tail, loc)
 
 
 @PATHS
@@ -146,9 +150,7 @@ def test_lone_surrogate_in_a_value_is_422_naming_it(
 def test_lone_surrogate_in_a_key_is_422_naming_its_object(
     tail: bytes, fragment: bytes, loc: list[Any]
 ) -> None:
-    error = refused(b'{"model": "m", ' + fragment + tail + b"}")
-    assert error["loc"] == loc
-    assert error["type"] == "string_unicode"
+    assert_surrogate_refused(fragment, tail, loc)
 
 
 @PATHS

@@ -127,58 +127,62 @@ async def test_on_outage_follows_a_reload_and_the_rest_of_redis_waits_for_restar
         await asyncio.wait_for(state.close(), 10)
 
 
-async def test_a_changed_file_is_applied_by_the_watchers_own_round(tmp_path: Path) -> None:
+class Applied:
+    """An `apply` that records the size of each config it is given, in order."""
+
+    def __init__(self) -> None:
+        self.sizes: asyncio.Queue[int] = asyncio.Queue()
+
+    async def __call__(self, config: GatewayConfig) -> None:
+        self.sizes.put_nowait(size_of(config))
+
+    async def next(self) -> int:
+        return await asyncio.wait_for(self.sizes.get(), 10)
+
+    def taken(self) -> list[int]:
+        return [self.sizes.get_nowait() for _ in range(self.sizes.qsize())]
+
+
+def config_file(tmp_path: Path, size: int) -> Path:
     path = tmp_path / "gateway.yaml"
-    path.write_text(config_text(1))
-    applied: asyncio.Queue[int] = asyncio.Queue()
+    path.write_text(config_text(size))
+    return path
 
-    async def apply(config: GatewayConfig) -> None:
-        applied.put_nowait(size_of(config))
 
-    watcher = ConfigWatcher(str(path), apply, BackgroundErrors(), interval_s=0.01)
+async def test_a_changed_file_is_applied_by_the_watchers_own_round(tmp_path: Path) -> None:
+    path, applied = config_file(tmp_path, 1), Applied()
+    watcher = ConfigWatcher(str(path), applied, BackgroundErrors(), interval_s=0.01)
     await watcher.start()
     try:
         path.write_text(config_text(5))
-        assert await asyncio.wait_for(applied.get(), 10) == 5
+        assert await applied.next() == 5
     finally:
         await watcher.close()
-    assert applied.empty()  # applied once, not once per round
+    assert applied.taken() == []  # applied once, not once per round
 
 
 async def test_an_unchanged_file_is_not_applied(tmp_path: Path) -> None:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config_text(1))
-    calls: list[GatewayConfig] = []
-
-    async def apply(config: GatewayConfig) -> None:
-        calls.append(config)
-
-    watcher = ConfigWatcher(str(path), apply, BackgroundErrors())
+    path, applied = config_file(tmp_path, 1), Applied()
+    watcher = ConfigWatcher(str(path), applied, BackgroundErrors())
     assert await watcher.check() is False  # the file in force at start
     path.write_text(config_text(1))  # rewritten, same content (a ConfigMap resync)
     assert await watcher.check() is False
     path.write_text(config_text(2))
     assert await watcher.check() is True
     assert await watcher.check() is False  # applied once
-    assert [size_of(c) for c in calls] == [2]
+    assert applied.taken() == [2]
 
 
 async def test_a_missing_file_keeps_the_running_config(tmp_path: Path) -> None:
     """Between the unlink and the new link of a ConfigMap swap the file is gone: nothing is
     applied, nothing refused, and the file that comes back is applied."""
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config_text(1))
-    calls: list[GatewayConfig] = []
-
-    async def apply(config: GatewayConfig) -> None:
-        calls.append(config)
-
-    watcher = ConfigWatcher(str(path), apply, BackgroundErrors())
+    path, applied = config_file(tmp_path, 1), Applied()
+    watcher = ConfigWatcher(str(path), applied, BackgroundErrors())
     path.unlink()
     assert await watcher.check() is False
     path.write_text(config_text(6))
     assert await watcher.check() is True
-    assert [size_of(c) for c in calls] == [6]
+    assert applied.taken() == [6]
 
 
 class Refusals(logging.Handler):
@@ -199,49 +203,36 @@ class Refusals(logging.Handler):
 async def test_the_loop_refuses_an_invalid_file_then_applies_the_next_good_one(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config_text(1))
-    errors = BackgroundErrors()
-    applied: asyncio.Queue[int] = asyncio.Queue()
-
-    async def apply(config: GatewayConfig) -> None:
-        applied.put_nowait(size_of(config))
-
+    path, applied, errors = config_file(tmp_path, 1), Applied(), BackgroundErrors()
     refusals = Refusals()
     logger = logging.getLogger("gateway.reload")
     logger.addHandler(refusals)
-    watcher = ConfigWatcher(str(path), apply, errors, interval_s=0.01)
+    watcher = ConfigWatcher(str(path), applied, errors, interval_s=0.01)
     await watcher.start()
     try:
         path.write_text("models: [not, a, mapping]\n")
         await asyncio.wait_for(refusals.seen.wait(), 10)
         path.write_text(config_text(7))
-        assert await asyncio.wait_for(applied.get(), 10) == 7
+        assert await applied.next() == 7
     finally:
         await watcher.close()
         logger.removeHandler(refusals)
     assert len(refusals.lines) == 1  # one line, however many rounds saw the file
     assert "running config stays" in refusals.lines[0]
     assert errors.counts["reload"] == 0  # a refused file is no error of the watcher
-    assert applied.empty()
+    assert applied.taken() == []
 
 
 async def test_sighup_checks_at_once(tmp_path: Path) -> None:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(config_text(1))
-    applied: asyncio.Queue[int] = asyncio.Queue()
-
-    async def apply(config: GatewayConfig) -> None:
-        applied.put_nowait(size_of(config))
-
+    path, applied = config_file(tmp_path, 1), Applied()
     # No round before the test's bound: only the signal can make it check.
-    watcher = ConfigWatcher(str(path), apply, BackgroundErrors(), interval_s=3600)
+    watcher = ConfigWatcher(str(path), applied, BackgroundErrors(), interval_s=3600)
     await watcher.start()
     try:
         if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, signal.SIG_IGN, None):
             pytest.skip("no SIGHUP handler here (not the main thread)")
         path.write_text(config_text(8))
         os.kill(os.getpid(), signal.SIGHUP)
-        assert await asyncio.wait_for(applied.get(), 10) == 8
+        assert await applied.next() == 8
     finally:
         await watcher.close()

@@ -243,21 +243,28 @@ async def test_a_body_cut_mid_way_broke_off() -> None:
     assert caught.value.message == "The worker's answer broke off."
 
 
-async def test_a_body_that_falls_silent_times_out() -> None:
+@contextlib.asynccontextmanager
+async def silent_after(first: bytes) -> AsyncIterator[str]:
+    """A worker that sends `first` and then nothing, keeping the connection open."""
     release = asyncio.Event()
 
     async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(head(100) + b'{"choices": [')
+        writer.write(first)
         await writer.drain()
         await release.wait()
 
     try:
-        async with worker(silent) as url, upstream() as up:
-            resp = await post(up, url)
-            with pytest.raises(WorkerTimeout) as caught:
-                await bounded(resp.read())
+        async with worker(silent) as url:
+            yield url
     finally:
         release.set()
+
+
+async def test_a_body_that_falls_silent_times_out() -> None:
+    async with silent_after(head(100) + b'{"choices": [') as url, upstream() as up:
+        resp = await post(up, url)
+        with pytest.raises(WorkerTimeout) as caught:
+            await bounded(resp.read())
     assert caught.value.message == "The worker stopped answering."
 
 
@@ -300,19 +307,9 @@ async def test_a_stream_cut_mid_way_broke_off() -> None:
 
 
 async def test_a_stream_that_falls_silent_times_out() -> None:
-    release = asyncio.Event()
-
-    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(streamed(b"data: {}\n\n"))
-        await writer.drain()
-        await release.wait()
-
-    try:
-        async with worker(silent) as url, upstream() as up:
-            resp = await post(up, url)
-            with pytest.raises(WorkerTimeout) as caught:
-                await bounded(collect(resp))
-            resp.close()
-    finally:
-        release.set()
+    async with silent_after(streamed(b"data: {}\n\n")) as url, upstream() as up:
+        resp = await post(up, url)
+        with pytest.raises(WorkerTimeout) as caught:
+            await bounded(collect(resp))
+        resp.close()
     assert caught.value.message == "The worker stopped answering mid-stream."
