@@ -29,9 +29,9 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
-from urllib.parse import unquote, urlparse
 
 import hiredis
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -222,14 +222,15 @@ class RespClient:
         max_pending: int = MAX_PENDING,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
     ) -> None:
-        parsed = urlparse(url)
-        self._unix = parsed.path if parsed.scheme == "unix" else None
-        self._host = parsed.hostname or "127.0.0.1"
-        self._port = parsed.port or 6379
-        db = parsed.path.lstrip("/") if parsed.scheme != "unix" else ""
-        self._db = int(db) if db else 0
-        self._username = unquote(parsed.username) if parsed.username else None
-        self._password = unquote(parsed.password) if parsed.password else None
+        # redis-py's reading of the URL, so both clients reach the same database (a `?db=`
+        # query, a unix socket's too, wins over the path, as redis-py has it).
+        parsed: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+        self._unix: str | None = parsed.get("path")
+        self._host = parsed.get("host") or "127.0.0.1"
+        self._port = int(parsed.get("port") or 6379)
+        self._db = int(parsed.get("db") or 0)
+        self._username: str | None = parsed.get("username")
+        self._password: str | None = parsed.get("password")
         self._connect_timeout = connect_timeout_s
         self._timeout = command_timeout_s
         self._limits = (max_pending, max_buffer_bytes)

@@ -299,3 +299,35 @@ async def test_a_refused_password_is_answered_at_once_without_connecting_again(
         await client.aclose()
         await admin.aclose()
         server.stop()
+
+
+@pytest.mark.parametrize("form", ["query", "unix"])
+async def test_the_lean_client_reaches_the_database_redis_py_does(
+    form: str, tmp_path: Path
+) -> None:
+    """A `?db=` query (the only way a unix socket names its database) is read as redis-py
+    reads it: admission and the rest of the gateway never split across two databases."""
+    import redis.asyncio as aioredis
+
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path, extra=["--unixsocket", str(sock)]).start()
+    try:
+        base = f"unix://{sock}" if form == "unix" else f"redis://127.0.0.1:{server.port}/"
+        url = f"{base}?db=5"
+        lean = RespClient(url)
+        try:
+            assert (await lean.send([("SET", "where", form)]))[0] == b"OK"
+        finally:
+            await lean.aclose()
+        other = aioredis.Redis.from_url(url)
+        try:
+            assert await other.get("where") == form.encode()
+        finally:
+            await other.aclose()
+        db0 = aioredis.Redis(port=server.port, db=0)
+        try:
+            assert await db0.dbsize() == 0
+        finally:
+            await db0.aclose()
+    finally:
+        server.stop()
