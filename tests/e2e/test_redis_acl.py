@@ -21,7 +21,7 @@ from tests.e2e import procs
 from tests.redis_server import RedisServer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
-PASSWORD = "acl-pass-7"  # noqa: S105 (a test's own throwaway Redis)
+PASSWORD = "acl-pass-7"  # the test's own throwaway Redis
 REQUESTS = 12
 CAPACITY = 2
 
