@@ -53,9 +53,7 @@ def run_cli(tmp: Path, config: Path, *args: str) -> subprocess.CompletedProcess[
 
 def ask(client: openai.OpenAI, i: int) -> str:
     if i % 2:
-        chunks = client.completions.create(
-            model="m", prompt=f"acl {i}", max_tokens=4, stream=True
-        )
+        chunks = client.completions.create(model="m", prompt=f"acl {i}", max_tokens=4, stream=True)
         return "".join(c.choices[0].text for c in chunks if c.choices)
     answer = client.completions.create(model="m", prompt=f"acl {i}", max_tokens=4)
     return answer.choices[0].text
