@@ -19,7 +19,9 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from routing.resp import RespClient
@@ -63,10 +65,10 @@ def parse(url: str) -> SentinelURL:
         raise ValueError("a sentinel URL takes no ?options or #fragment")
     userinfo, at, hosts = parts.netloc.rpartition("@")
     username, _, password = userinfo.partition(":")
-    path = [p for p in parts.path.split("/")[1:]]
+    path = parts.path.split("/")[1:]
     if len(path) not in (1, 2) or not path[0]:
         raise ValueError("a sentinel URL ends with /<master name>[/<db>]")
-    db = path[1] if len(path) == 2 else "0"
+    db = path[1] if len(path) == 2 and path[1] else "0"
     if not db.isdigit():
         raise ValueError("the database after the master name is a number")
     return SentinelURL(
@@ -96,9 +98,12 @@ class Sentinels:
     def __init__(self, spec: SentinelURL, timeout_s: float) -> None:
         self.spec = spec
         self.timeout_s = timeout_s
+        # Each gets its share of the whole bound, and one try: a stalled or refusing
+        # sentinel leaves time to ask the next one.
+        each = timeout_s / len(spec.sentinels)
         self._clients = [
-            aioredis.Redis(host=h, port=p, socket_timeout=timeout_s,
-                           socket_connect_timeout=timeout_s)
+            aioredis.Redis(host=h, port=p, socket_timeout=each, socket_connect_timeout=each,
+                           retry=Retry(NoBackoff(), 0))
             for h, p in spec.sentinels
         ]  # fmt: skip
 
@@ -107,7 +112,7 @@ class Sentinels:
         unknown, failed = 0, ""
         try:
             async with asyncio.timeout(self.timeout_s):
-                for client in self._clients:
+                for n, client in enumerate(self._clients):
                     try:
                         reply = await client.execute_command(  # type: ignore[no-untyped-call]
                             "SENTINEL", "get-master-addr-by-name", self.spec.master
@@ -118,6 +123,8 @@ class Sentinels:
                     if not reply:
                         unknown += 1
                         continue
+                    if n:  # the one that answered is asked first from now on
+                        self._clients.insert(0, self._clients.pop(n))
                     return _text(reply[0]), int(reply[1])
         except TimeoutError:
             failed = f"no answer within {self.timeout_s:g} s"
