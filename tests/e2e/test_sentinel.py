@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -26,9 +27,11 @@ import redis.asyncio as aioredis
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import leftovers, rid, until, worker_load
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 KEY = "sk-sentinel"
+PASSWORD = "s3cret:/@"
+AUTH = ["--requirepass", PASSWORD, "--masterauth", PASSWORD]
 CAPACITY = 4
 LEASE_TTL_S = 3
 SLACK_S = 5.0
@@ -46,7 +49,9 @@ class Nodes:
 
     @property
     def url(self) -> str:
-        return f"redis+sentinel://127.0.0.1:{self.sentinel.port}/gw/0"
+        # The data nodes' password; a first sentinel that is down: the next one is asked.
+        sentinels = f"127.0.0.1:{free_port()},127.0.0.1:{self.sentinel.port}"
+        return f"redis+sentinel://:{quote(PASSWORD, safe='')}@{sentinels}/gw/0"
 
     def master_port(self) -> int:
         with redis.Redis(port=self.sentinel.port, socket_timeout=5) as s:
@@ -78,12 +83,15 @@ def _replica_known(sentinel: RedisServer) -> bool:
 def nodes(tmp_path: Path) -> Iterator[Nodes]:
     started: list[RedisServer] = []
     try:
-        master = RedisServer(tmp_path, extra=["--min-replicas-to-write", "1",
+        master = RedisServer(tmp_path, extra=[*AUTH, "--min-replicas-to-write", "1",
                                               "--min-replicas-max-lag", "10"]).start()  # fmt: skip
         started.append(master)
-        replica = RedisServer(tmp_path, extra=["--replicaof", "127.0.0.1", str(master.port)])
+        replica = RedisServer(tmp_path, extra=[*AUTH, "--replicaof", "127.0.0.1", str(master.port)])
         started.append(replica.start())
-        sentinel = RedisServer(tmp_path, sentinel=True, monitor=master.port)
+        # The sentinel needs the data nodes' password to watch them; the gateway does not
+        # give one to the sentinel.
+        auth = ["--sentinel", "auth-pass", "gw", PASSWORD]
+        sentinel = RedisServer(tmp_path, sentinel=True, monitor=master.port, extra=auth)
         started.append(sentinel.start())
         with redis.Redis(port=sentinel.port, socket_timeout=5) as s:
             s.execute_command("SENTINEL", "SET", "gw", "down-after-milliseconds", "1000",
@@ -120,11 +128,20 @@ class Traffic:
 
 
 async def _usage(port: int) -> Counter[str]:
-    client = aioredis.Redis(port=port, socket_timeout=5)
+    client = aioredis.Redis(port=port, password=PASSWORD, socket_timeout=5)
     try:
         return Counter(f[b"request_id"].decode() for _, f in await client.xrange("usage"))
     finally:
         await client.aclose()
+
+
+async def _readyz(gateway: procs.Proc) -> int:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return (await client.get(gateway.url + "/readyz")).status_code
+
+
+async def _ready(gateway: procs.Proc) -> bool:
+    return await _readyz(gateway) == 200
 
 
 async def _spool_empty(gateway: procs.Proc) -> bool:
@@ -143,6 +160,7 @@ async def test_the_gateway_follows_a_sentinel_failover(nodes: Nodes, tmp_path: P
         started.append(worker)
         gateway = procs.gateway(tmp_path, config(nodes.url, worker))
         started.append(gateway)
+        assert (await _readyz(gateway)) == 200  # ROLE and EVALSHA on the master found
         traffic = Traffic(gateway.url, asyncio.Event(), [])
         loops = [asyncio.create_task(traffic.loop()) for _ in range(2 * CAPACITY)]
         try:
@@ -157,6 +175,7 @@ async def test_the_gateway_follows_a_sentinel_failover(nodes: Nodes, tmp_path: P
             traffic.stop.set()
             await asyncio.wait_for(asyncio.gather(*loops), 60)
         new = nodes.master_port()
+        await until(lambda: _ready(gateway), "/readyz on the new master", SLACK_S)
         assert new == nodes.replica.port
         statuses = Counter(status for _, status, _ in traffic.outcomes)
         assert set(statuses) <= {200, 503}, statuses  # an outage answer while it moves
@@ -173,7 +192,8 @@ async def test_the_gateway_follows_a_sentinel_failover(nodes: Nodes, tmp_path: P
         left: list[str] = []
 
         async def clean() -> bool:
-            left[:] = await leftovers(f"redis://127.0.0.1:{new}/0", ("m",))
+            url = f"redis://:{quote(PASSWORD, safe='')}@127.0.0.1:{new}/0"
+            left[:] = await leftovers(url, ("m",))
             return not left
 
         await until(clean, f"the new master to hold nothing ({left})", LEASE_TTL_S + SLACK_S)
