@@ -18,8 +18,9 @@ without being written. TCP keepalive finds a peer that vanished without a FIN. A
 refused the connection's AUTH or SELECT is not asked again for a second: calls meanwhile
 fail at once with its answer (a wrong password never heals by retrying).
 
-Used for redis:// and unix:// URLs; everything else (memory://, rediss://) goes through
-redis-py. Errors are redis-py's exception types, so callers catch one family.
+Used for redis://, unix:// and redis+sentinel:// URLs (with a locator: routing/sentinel.py);
+everything else (memory://, rediss://) goes through redis-py. Errors are redis-py's
+exception types, so callers catch one family.
 """
 
 from __future__ import annotations
@@ -356,12 +357,12 @@ class RespClient:
             setup.append(["SELECT", self._db])
         if self._locator is not None:
             setup.append(["ROLE"])
-        if setup:
-            for reply in await protocol.send(pack(setup), len(setup)):
-                if isinstance(reply, Exception):
-                    raise reply
+        replies = await protocol.send(pack(setup), len(setup)) if setup else []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         if self._locator is not None:
-            _master_role(reply)
+            _master_role(replies[-1])
             if self._watch is None or self._watch.done():
                 self._watch = asyncio.get_running_loop().create_task(self._follow())
 
