@@ -24,7 +24,7 @@ from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnec
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from routing.resp import RespClient
+from routing.resp import Locator, RespClient
 
 SCHEME = "redis+sentinel://"
 DEFAULT_PORT = 26379
@@ -145,7 +145,7 @@ def _text(value: Any) -> str:
 class _Sentinel(Sentinel):
     """redis-py's Sentinel, asking through `Sentinels` (one lookup, one set of errors)."""
 
-    def __init__(self, sentinels: Sentinels, **connection_kwargs: Any) -> None:
+    def __init__(self, sentinels: Locator, **connection_kwargs: Any) -> None:
         super().__init__([], **connection_kwargs)  # type: ignore[no-untyped-call]
         self.lookup = sentinels
 
@@ -163,13 +163,16 @@ class FollowingPool(SentinelConnectionPool):
         self._watch: asyncio.Task[None] | None = None
 
     async def get_master_address(self) -> tuple[str, int]:
+        before = self.master_address
         address: tuple[str, int] = await super().get_master_address()  # type: ignore[no-untyped-call]
+        if before is not None and address != before:  # redis-py drops only idle ones
+            await self._drop_all()
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(self._follow())
         return address
 
     async def _follow(self) -> None:
-        lookup: Sentinels = self.sentinel_manager.lookup
+        lookup: Locator = self.sentinel_manager.lookup
         while True:
             await asyncio.sleep(WATCH_S)
             try:
@@ -178,8 +181,11 @@ class FollowingPool(SentinelConnectionPool):
                 continue  # no answer: keep what is connected
             if self.master_address is not None and address != self.master_address:
                 self.master_address = address
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await self.disconnect(inuse_connections=True)
+                await self._drop_all()
+
+    async def _drop_all(self) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.disconnect(inuse_connections=True)
 
     async def aclose(self) -> None:
         if self._watch is not None:

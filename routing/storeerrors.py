@@ -88,6 +88,7 @@ _PUBLIC = {
     "timeout": "redis: no answer in time",
     "pool": "redis: no free connection in this process",
     "no_master": "redis: the sentinels know no master of that name",
+    "no_replicas": "redis: the master refuses writes (too few replicas)",
 }
 
 
@@ -154,6 +155,8 @@ def _by_message(message: str) -> Cause | None:
         return Cause("permission", f"redis: {message}")
     if "can't run this command" in message or "can't publish" in message:  # inside a script
         return Cause("permission", f"redis: NOPERM {message}")
+    if code == "NOREPLICAS":  # min-replicas-to-write: the master lost its replicas (failover)
+        return Cause("no_replicas", f"redis: {message}")
     if code == "READONLY" or "write against a read only replica" in message:
         return Cause("not_master", f"redis: not a master (replica: {message})")
     if "unknown command" in message and any(

@@ -14,10 +14,19 @@ from pathlib import Path
 import pytest
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from gateway.settings import ConfigError, parse_config
 from routing.resp import Demoted, NotSent, RespClient
-from routing.sentinel import NoSentinel, Sentinels, SentinelURL, UnknownMaster, parse
+from routing.sentinel import (
+    FollowingPool,
+    NoSentinel,
+    Sentinels,
+    SentinelURL,
+    UnknownMaster,
+    _Sentinel,
+    parse,
+)
 from routing.storeerrors import cause_of
 from tests.redis_server import RedisServer, free_port
 
@@ -75,6 +84,10 @@ def test_what_a_failed_lookup_means() -> None:
     silent = cause_of(NoSentinel("no sentinel answered (refused)"))
     assert (silent.kind, silent.misconfigured) == ("unreachable", False)
     assert silent.public == "redis: unreachable"
+    # A master with min-replicas-to-write whose replica was promoted: an outage, said so.
+    alone = cause_of(ResponseError("NOREPLICAS Not enough good replicas to write. script: 0"))
+    assert (alone.kind, alone.misconfigured) == ("no_replicas", False)
+    assert alone.public == "redis: the master refuses writes (too few replicas)"
 
 
 async def test_no_sentinel_answering_is_said_within_the_bound() -> None:
@@ -185,3 +198,35 @@ def _get(server: RedisServer, key: str) -> bytes | None:
     with redis.Redis(port=server.port) as plain:
         value: bytes | None = plain.get(key)
         return value
+
+
+async def test_redis_py_pools_follow_too_a_subscription_included(
+    two: tuple[RedisServer, RedisServer],
+) -> None:
+    locator = Locator(two[0].port)
+    client = _Sentinel(locator).master_for("m", connection_pool_class=FollowingPool)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        await client.set("k", "a")
+        await pubsub.subscribe("wake")
+        locator.port = two[1].port  # the pool's watch runs every WATCH_S
+        deadline = time.monotonic() + 10
+        while _get(two[1], "k") != b"moved":  # a bounded poll for the watch
+            assert time.monotonic() < deadline, "the pool never moved"
+            with contextlib.suppress(RedisConnectionError):
+                await client.set("k", "moved")
+            await asyncio.sleep(0.02)
+        heard = None
+        while heard is None:  # what the new master publishes reaches the subscription
+            assert time.monotonic() < deadline, "the subscription never moved"
+            with redis.Redis(port=two[1].port) as new:
+                new.publish("wake", "w1 http://e")
+            try:
+                heard = await pubsub.get_message(timeout=0.05)
+            except RedisConnectionError:  # broken by the move: the keeper subscribes again
+                await pubsub.subscribe("wake")
+    finally:
+        with contextlib.suppress(RedisConnectionError):
+            await pubsub.aclose()
+        await client.aclose()
+    assert heard["data"] == b"w1 http://e"
