@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.asyncio.connection import parse_url
 
+from routing import sentinel
 from routing.health import HealthSettings
 from routing.ledger import UsageSettings
 from routing.registry import MODEL_NAME_PATTERN, ModelConfig
@@ -50,8 +51,13 @@ class RedisConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
+        if sentinel.is_sentinel(url):
+            sentinel.parse(url)  # its messages never quote the credentials
+            return url
         if not url.startswith(("redis://", "rediss://", "unix://", "memory://")):
-            raise ValueError("must start with redis://, rediss://, unix:// or memory://")
+            raise ValueError(
+                "must start with redis://, rediss://, unix://, redis+sentinel:// or memory://"
+            )
         if not url.startswith("memory://"):
             try:
                 parse_url(url)

@@ -18,8 +18,9 @@ without being written. TCP keepalive finds a peer that vanished without a FIN. A
 refused the connection's AUTH or SELECT is not asked again for a second: calls meanwhile
 fail at once with its answer (a wrong password never heals by retrying).
 
-Used for redis:// and unix:// URLs; everything else (memory://, rediss://) goes through
-redis-py. Errors are redis-py's exception types, so callers catch one family.
+Used for redis://, unix:// and redis+sentinel:// URLs (with a locator: routing/sentinel.py);
+everything else (memory://, rediss://) goes through redis-py. Errors are redis-py's
+exception types, so callers catch one family.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import hiredis
 from redis.connection import parse_url
@@ -96,13 +97,22 @@ class NotSent(RedisConnectionError):
     Redis did nothing of them, so there is nothing to undo."""
 
 
+class Demoted(RedisConnectionError):
+    """The node reached as the master answered as a replica (Sentinel moved the master)."""
+
+
 def _timeout(limit_s: float) -> RedisTimeoutError:
     return RedisTimeoutError(f"Redis did not answer within {limit_s:g} s")
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self, timeout_s: float, max_pending: int, max_buffer_bytes: int) -> None:
+    def __init__(
+        self, timeout_s: float, max_pending: int, max_buffer_bytes: int, follow: bool = False
+    ) -> None:
         self._loop = asyncio.get_running_loop()
+        # Behind Sentinel: a READONLY reply means this node was demoted (a failover kept the
+        # connection open): drop it, so that the next call asks the sentinels again.
+        self._follow = follow
         self._reader = hiredis.Reader()
         # (future, replies expected, replies so far, deadline on the loop's clock)
         self._pending: deque[tuple[asyncio.Future[list[Any]], int, list[Any], float]] = deque()
@@ -183,7 +193,12 @@ class _Protocol(asyncio.Protocol):
                 self.abort(RedisConnectionError("unexpected reply from Redis"))
                 return
             future, count, replies, _ = pending[0]
-            replies.append(_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
+            if isinstance(reply, hiredis.ReplyError):
+                reply = _error(reply)
+                if self._follow and str(reply).startswith("READONLY"):
+                    self.abort(Demoted("the master was demoted (a failover): reconnecting"))
+                    return
+            replies.append(reply)
             if len(replies) == count:
                 pending.popleft()
                 if not future.done():
@@ -210,13 +225,26 @@ class _Protocol(asyncio.Protocol):
                 future.set_exception(error)
 
 
+class Locator(Protocol):
+    """Where the master is now (routing/sentinel.py `Sentinels`)."""
+
+    async def locate(self) -> tuple[str, int]: ...
+
+    async def aclose(self) -> None: ...
+
+
 class RespClient:
-    """One lazily (re)connected pipelining connection to a Redis server."""
+    """One lazily (re)connected pipelining connection to a Redis server. With a `locator`
+    (Sentinel), the address is asked at each (re)connect, the node must answer ROLE as a
+    master, and while connected the locator is asked every `watch_s`: another answer drops
+    the connection, as does a READONLY reply."""
 
     def __init__(
         self,
         url: str,
         *,
+        locator: Locator | None = None,
+        watch_s: float = 0.5,
         connect_timeout_s: float = 2.0,
         command_timeout_s: float = 2.0,
         max_pending: int = MAX_PENDING,
@@ -238,6 +266,10 @@ class RespClient:
         self._connecting: asyncio.Task[_Protocol] | None = None
         # (until when on the loop's clock, Redis's refusal of the last setup)
         self._refused: tuple[float, ResponseError] | None = None
+        self._locator = locator
+        self._watch_s = watch_s
+        self._watch: asyncio.Task[None] | None = None
+        self._at: tuple[str, int] | None = None  # where the locator said the master was
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -301,10 +333,13 @@ class RespClient:
         loop = asyncio.get_running_loop()
 
         def factory() -> _Protocol:
-            return _Protocol(self._timeout, *self._limits)
+            return _Protocol(self._timeout, *self._limits, follow=self._locator is not None)
 
         if self._unix is not None:
             _, protocol = await loop.create_unix_connection(factory, self._unix)
+        elif self._locator is not None:
+            self._at = await self._locator.locate()
+            _, protocol = await loop.create_connection(factory, *self._at)
         else:
             _, protocol = await loop.create_connection(factory, self._host, self._port)
         try:
@@ -321,14 +356,47 @@ class RespClient:
             setup.append(["AUTH", *auth])
         if self._db:
             setup.append(["SELECT", self._db])
-        if setup:
-            for reply in await protocol.send(pack(setup), len(setup)):
-                if isinstance(reply, Exception):
-                    raise reply
+        if self._locator is not None:
+            setup.append(["ROLE"])
+        replies = await protocol.send(pack(setup), len(setup)) if setup else []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        if self._locator is not None:
+            _master_role(replies[-1])
+            if self._watch is None or self._watch.done():
+                self._watch = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """Drop the connection when the locator names another master."""
+        assert self._locator is not None
+        while True:
+            await asyncio.sleep(self._watch_s)
+            protocol = self._protocol
+            if protocol is None or protocol.closed:
+                continue
+            try:
+                address = await self._locator.locate()
+            except (RedisError, OSError):
+                continue  # no answer: keep what is connected
+            if address != self._at and protocol is self._protocol:
+                protocol.abort(Demoted("the sentinels name another master: reconnecting"))
 
     async def aclose(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._locator is not None:
+            await self._locator.aclose()
         if self._connecting is not None and not self._connecting.done():
             self._connecting.cancel()
         if self._protocol is not None:
             self._protocol.abort(RedisConnectionError("client closed"))
             self._protocol = None
+
+
+def _master_role(reply: Any) -> None:
+    """Refuse a node that is not (or no longer) a master: the sentinels' answer was stale."""
+    role = reply[0] if isinstance(reply, list) and reply else b""
+    if role != b"master":
+        name = role.decode(errors="replace") if isinstance(role, bytes) else str(role)
+        raise Demoted(f"the node the sentinels named is not a master ({name})")

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import DataError, NoScriptError, RedisError
 
+from routing import sentinel
 from routing.resp import Command, RespClient, keepalive_options
 from routing.storeerrors import Cause, cause_of
 
@@ -22,6 +23,8 @@ MAX_CONNECTIONS = 512
 # memory://: connections are objects in this process, so none is ever refused (redis-py's
 # default pool refuses the 101st at once, which read as an outage in the demo).
 UNBOUNDED = 2**31
+# A connection's setup (and, behind Sentinel, the lookup of the master) gives up after this.
+CONNECT_TIMEOUT_S = 2.0
 # A script that cannot exist: running it answers NOSCRIPT where scripts may run.
 PROBE_SHA = "0" * 40
 
@@ -34,6 +37,11 @@ def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
 
         client: Any = fakeredis.FakeAsyncRedis(max_connections=UNBOUNDED)
         return client  # type: ignore[no-any-return]
+    if sentinel.is_sentinel(url):
+        return sentinel.master_client(
+            url, CONNECT_TIMEOUT_S, max_connections=MAX_CONNECTIONS,
+            **_options(socket_timeout=command_timeout_s),
+        )  # fmt: skip
     pool = BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=command_timeout_s,
         **_options(socket_timeout=command_timeout_s),
@@ -89,10 +97,13 @@ class RedisPyStore:
 
 
 def script_store(url: str, client: aioredis.Redis, command_timeout_s: float) -> Store:
-    """Where admission scripts run: the lean pipelining client for redis:// and unix://,
-    else (memory://, rediss://) the redis-py `client`."""
+    """Where admission scripts run: the lean pipelining client for redis://, unix:// and
+    redis+sentinel:// (on the master the sentinels name), else (memory://, rediss://) the
+    redis-py `client`."""
     if RespClient.supports(url):
         return RespClient(url, command_timeout_s=command_timeout_s)
+    if sentinel.is_sentinel(url):
+        return sentinel.script_client(url, CONNECT_TIMEOUT_S, command_timeout_s)
     return RedisPyStore(client, call_timeout(url, command_timeout_s))
 
 
@@ -102,12 +113,14 @@ def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
     the in-process server of `client`."""
     if url.startswith("memory://"):
         return client
+    if sentinel.is_sentinel(url):
+        return sentinel.master_client(url, CONNECT_TIMEOUT_S, **_options(socket_timeout=None))
     return aioredis.Redis.from_url(url, **_options(socket_timeout=None))
 
 
 def _options(*, socket_timeout: float | None) -> dict[str, Any]:
     return {
-        "socket_connect_timeout": 2.0,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "socket_timeout": socket_timeout,
         "socket_keepalive": True,
         "socket_keepalive_options": keepalive_options(),

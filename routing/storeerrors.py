@@ -4,7 +4,8 @@ A failed store call is either an outage (Redis cannot be reached, stalls, or thi
 has no free connection), which heals by itself and which `redis.on_outage` answers, or a
 misconfiguration, which never heals by itself: a wrong or missing password, an ACL user
 without a permission the gateway needs, a TLS certificate the client refuses, or a URL that
-points at a Sentinel or a replica instead of a master. `cause_of` tells them apart and
+points at a Sentinel or a replica instead of a master, or a master name the sentinels do
+not know. `cause_of` tells them apart and
 names the cause in one line ("redis: WRONGPASS ..."), from redis-py's exception classes and
 from Redis's own error codes (the RESP client keeps them in the message; redis-py strips
 them). `StoreErrors` logs each cause at most once a minute with a count of the repeats, and
@@ -34,10 +35,12 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from routing.sentinel import UnknownMaster
+
 log = logging.getLogger("gateway.store")
 
 # Kinds that never heal by themselves: `gateway serve` refuses to start on one of them.
-MISCONFIGURED = frozenset({"auth", "permission", "tls", "not_master"})
+MISCONFIGURED = frozenset({"auth", "permission", "tls", "not_master", "no_master"})
 # Kinds whose messages vary (addresses, errno) but mean one thing: one log line for them all.
 _BY_KIND = frozenset({"unreachable", "timeout", "pool"})
 REPORT_EVERY_S = 60.0
@@ -84,6 +87,8 @@ _PUBLIC = {
     "unreachable": "redis: unreachable",
     "timeout": "redis: no answer in time",
     "pool": "redis: no free connection in this process",
+    "no_master": "redis: the sentinels know no master of that name",
+    "no_replicas": "redis: the master refuses writes (too few replicas)",
 }
 
 
@@ -121,6 +126,8 @@ def cause_of(exc: BaseException) -> Cause:
 
 def _by_class(exc: BaseException) -> Cause | None:
     message = _line(str(exc))
+    if isinstance(exc, UnknownMaster):
+        return Cause("no_master", f"redis: {message}")
     if isinstance(exc, MaxConnectionsError):
         return Cause("pool", f"redis: no free connection in this process's pool ({message})")
     if isinstance(exc, (AuthenticationError, AuthorizationError)):
@@ -148,6 +155,8 @@ def _by_message(message: str) -> Cause | None:
         return Cause("permission", f"redis: {message}")
     if "can't run this command" in message or "can't publish" in message:  # inside a script
         return Cause("permission", f"redis: NOPERM {message}")
+    if code == "NOREPLICAS":  # min-replicas-to-write: the master lost its replicas (failover)
+        return Cause("no_replicas", f"redis: {message}")
     if code == "READONLY" or "write against a read only replica" in message:
         return Cause("not_master", f"redis: not a master (replica: {message})")
     if "unknown command" in message and any(

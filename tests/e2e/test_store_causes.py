@@ -1,6 +1,8 @@
 """A misconfigured store is named, never "unreachable" (issue 11, item 9), on real servers
 this test starts: a wrong password, a user without a permission the gateway needs, a
-self-signed TLS certificate the client has no CA for, a Sentinel port and a replica.
+self-signed TLS certificate the client has no CA for, a Sentinel port given as a redis://
+URL (redis+sentinel:// is the way: tests/e2e/test_sentinel.py), a master name the sentinels
+do not know, and a replica.
 
 `gateway serve` refuses to start with one line on stderr and exit code 2; a gateway already
 running answers /readyz with a 503 naming the cause; a password changed under a running
@@ -89,6 +91,15 @@ def sentinel_port(tmp: Path) -> Misconfigured:
     return Misconfigured(server.url, reason, reason, [server])
 
 
+def unknown_master(tmp: Path) -> Misconfigured:
+    master = RedisServer(tmp).start()
+    server = RedisServer(tmp, sentinel=True, monitor=master.port).start()  # it watches "gw"
+    url = f"redis+sentinel://127.0.0.1:{server.port}/not-gw"
+    reason = "redis: the sentinels know no master named 'not-gw'"
+    public = "redis: the sentinels know no master of that name"
+    return Misconfigured(url, reason, public, [server, master])
+
+
 def replica(tmp: Path) -> Misconfigured:
     master = RedisServer(tmp).start()
     server = RedisServer(tmp, extra=["--replicaof", "127.0.0.1", str(master.port)]).start()
@@ -97,7 +108,7 @@ def replica(tmp: Path) -> Misconfigured:
 
 
 @pytest.fixture(params=[wrong_password, missing_permission, self_signed_tls, sentinel_port,
-                        replica])  # fmt: skip
+                        unknown_master, replica])  # fmt: skip
 def misconfigured(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Misconfigured]:
     build: Callable[[Path], Misconfigured] = request.param
     made = build(tmp_path)
@@ -141,6 +152,8 @@ async def test_readyz_names_the_cause(misconfigured: Misconfigured) -> None:
 
 def test_an_unreachable_store_at_start_is_an_outage_not_a_misconfiguration() -> None:
     assert start_problem(f"redis://127.0.0.1:{free_port()}/0", 0.5) is None
+    # No sentinel answering is the same: an outage, which may heal.
+    assert start_problem(f"redis+sentinel://127.0.0.1:{free_port()}/gw", 0.5) is None
 
 
 def test_a_password_changed_under_a_running_gateway_is_named_once(tmp_path: Path) -> None:
