@@ -34,10 +34,10 @@ from typing import Any, Protocol, cast
 import hiredis
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import DataError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-Command = Sequence[Any]
+from routing.wire import Command, pack, reply_error, set_keepalive
 
 # Far above what a healthy Redis ever has in flight from one replica (it runs 10,000 small
 # scripts in well under a second, and a request has at most a couple of calls out), yet small
@@ -47,49 +47,9 @@ MAX_PENDING = 10_000
 # What may sit unsent in this process when Redis stops reading (the kernel's socket buffer
 # holds more before that): admission calls are a few hundred bytes, so this is thousands.
 MAX_BUFFER_BYTES = 16 * 1024 * 1024
-# Probe an idle connection after 10 s, every 5 s, give up after 3 misses: a Redis host that
-# vanished (no FIN, no RST) is noticed in about 25 s even on a connection with no calls.
-KEEPALIVE = (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3))
 # A Redis that refused the connection's AUTH or SELECT (a wrong password, an ACL) will refuse
 # again: for this long, calls fail with its answer at once instead of each connecting anew.
 REFUSED_HOLD_S = 1.0
-
-
-def keepalive_options() -> dict[int, int]:
-    """TCP keepalive timings this platform knows, as redis-py's `socket_keepalive_options`."""
-    return {getattr(socket, n): v for n, v in KEEPALIVE if hasattr(socket, n)}
-
-
-def set_keepalive(sock: Any) -> None:
-    """Keepalive on a TCP socket (a stdlib socket, or uvloop's socket-like object)."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in keepalive_options().items():
-        sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def pack(commands: Sequence[Command]) -> bytes:
-    """RESP encoding of several commands, ready for one write."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode()
-            elif isinstance(arg, float):
-                data = repr(arg).encode()
-            else:
-                data = str(arg).encode()
-            out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
-
-
-def _error(reply: hiredis.ReplyError) -> ResponseError:
-    message = str(reply)
-    if message.startswith("NOSCRIPT"):
-        return NoScriptError(message)
-    return ResponseError(message)
 
 
 class NotSent(RedisConnectionError):
@@ -194,7 +154,7 @@ class _Protocol(asyncio.Protocol):
                 return
             future, count, replies, _ = pending[0]
             if isinstance(reply, hiredis.ReplyError):
-                reply = _error(reply)
+                reply = reply_error(reply)
                 if self._follow and str(reply).startswith("READONLY"):
                     self.abort(Demoted("the master was demoted (a failover): reconnecting"))
                     return

@@ -13,8 +13,9 @@ from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import DataError, NoScriptError, RedisError
 
 from routing import sentinel
-from routing.resp import Command, RespClient, keepalive_options
+from routing.resp import RespClient
 from routing.storeerrors import Cause, cause_of
+from routing.wire import Command, keepalive_options
 
 # redis-py connections per process. The hot path of redis:// and unix:// needs none (one
 # pipelining connection); rediss:// runs admission through this pool, and a call finding all
