@@ -23,20 +23,25 @@ local function score(n)
   return string.format('%.0f', n)
 end
 
+-- Forget a lease. Its first write (ZREM) is not `denyoom`: see `expire`.
 local function drop_lease(id)
+  if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
   local ep = redis.call('HGET', KEYS[3], id)
   if ep then
     redis.call('HINCRBY', KEYS[4], ep, -1)
     redis.call('HDEL', KEYS[3], id)
   end
-  return redis.call('ZREM', KEYS[1], id)
+  return 1
 end
 
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
--- keeping them alive. Every model script calls this first: its first write (ZREMRANGEBYSCORE)
--- frees memory, and Redis lets a script that has begun writing finish even at maxmemory
--- with noeviction, so admission and release keep working when Redis is full (usage records,
--- whose script writes first with SET, are refused then and wait in the spool).
+-- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
+-- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
+-- admission and release keep working when Redis is full (usage records, whose script
+-- writes first with SET, are refused then and wait in the spool). So every model script
+-- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
+-- Only the sweep runs it on every call; the others when the model is full or has waiters
+-- (else leases that expired meanwhile cost nothing until the sweep reclaims them).
 local function expire(now)
   local late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
   redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
@@ -62,9 +67,13 @@ end
 -- The endpoint to take: in 'first' mode the first with room (cache affinity order), else the
 -- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
 local function pick(eps, mode)
+  if #eps == 0 then return nil end
+  local urls = {}
+  for i, e in ipairs(eps) do urls[i] = e[1] end
+  local loads = redis.call('HMGET', KEYS[4], unpack(urls))
   local best, best_score = nil, nil
-  for _, e in ipairs(eps) do
-    local load = tonumber(redis.call('HGET', KEYS[4], e[1]) or '0')
+  for i, e in ipairs(eps) do
+    local load = tonumber(loads[i] or '0')
     if load < e[2] then
       if mode == 'first' then return e[1] end
       local s = load / e[2] + e[3]
@@ -72,6 +81,13 @@ local function pick(eps, mode)
     end
   end
   return best
+end
+
+-- Take an id out of the queue (a no-op for an id never queued, but a write that is not
+-- `denyoom`: see `expire`).
+local function unqueue(id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[7], id)
 end
 
 local function grant(id, ep, expiry)
@@ -125,8 +141,7 @@ local function pump(now, claim, ceilings, eps, channel)
     if not id then break end
     local ep = pick(eps, 'least')
     if not ep then break end
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('ZREM', KEYS[7], id)
+    unqueue(id)
     grant(id, ep, now + claim)
     redis.call('PUBLISH', channel, id .. ' ' .. ep)
     granted = granted + 1
@@ -137,8 +152,7 @@ end
 -- A lease this replica holds: kept for `ttl` ms more, or written back if Redis lost it
 -- (restart, failover). Returns 1 when it had to be written back.
 local function hold(id, ep, expiry)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[7], id)
+  unqueue(id)
   if redis.call('ZSCORE', KEYS[1], id) then
     redis.call('ZADD', KEYS[1], 'XX', expiry, id)
     return 0

@@ -50,7 +50,9 @@ if #restored + requeued > 0 and not rebuilding() then
   redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
 pump(now, tonumber(ARGV[2]), ceilings, eps, ARGV[4])
+local waiting = redis.call('ZCARD', KEYS[2]) > 0  -- else every tier's count is 0
 local function queued(rank)
+  if not waiting then return 0 end
   return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))
 end
 local state = {redis.call('ZCARD', KEYS[1])}
