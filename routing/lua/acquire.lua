@@ -7,8 +7,6 @@
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
 -- tier); rebuild = ms left of the rebuild window when that is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local ceilings, after = ceilings_at(10)
-local eps, at = endpoints(after)
 local now = now_ms()
 -- The common case costs a few reads: room for the tier, nobody queued, the model's state
 -- known and no rebuild. Then there is nothing to pump, and leases that expired meanwhile
@@ -16,8 +14,8 @@ local now = now_ms()
 if redis.call('ZCARD', KEYS[2]) == 0 then
   local inflight = redis.call('ZCARD', KEYS[1])
   local marks = redis.call('MGET', KEYS[9], KEYS[8])
-  if inflight < ceilings[rank + 1] and marks[1] and not marks[2] then
-    local ep = pick(eps, ARGV[8])
+  if marks[1] and not marks[2] and inflight < tonumber(ARGV[11 + rank]) then
+    local ep = pick(11 + tonumber(ARGV[10]), ARGV[8])
     if ep then
       redis.call('ZREM', KEYS[2], id)  -- the first write, not `denyoom` (prelude: `expire`)
       grant(id, ep, now + ttl)
@@ -25,6 +23,8 @@ if redis.call('ZCARD', KEYS[2]) == 0 then
     end
   end
 end
+local ceilings, after = ceilings_at(10)
+local eps, at = endpoints(after)
 expire(now)
 lost(now, ARGV[at], ARGV[at + 1])
 pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])

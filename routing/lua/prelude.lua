@@ -16,7 +16,7 @@ local RANK = 1e15
 
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 
 local function score(n)
@@ -53,31 +53,28 @@ end
 
 -- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
 -- penalty (>= 0) is the worker's own load signal (queue, KV cache), 0 when not scraped.
--- Returns the endpoints and the index of the next argument.
+-- They stay in ARGV (no table per call): `eps` is where they start. Returns it and the
+-- index of the next argument.
 local function endpoints(from)
-  local n = tonumber(ARGV[from])
-  local eps = {}
-  for i = 1, n do
-    local at = from + 3 * i - 2
-    eps[i] = {ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])}
-  end
-  return eps, from + 3 * n + 1
+  return from, from + 3 * tonumber(ARGV[from]) + 1
 end
 
--- The endpoint to take: in 'first' mode the first with room (cache affinity order), else the
--- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
+-- The endpoint to take (`eps`: where they start in ARGV): in 'first' mode the first with
+-- room (cache affinity order), else the least loaded relative to its size, plus its
+-- penalty. nil when every endpoint is full. One HMGET reads their loads.
 local function pick(eps, mode)
-  if #eps == 0 then return nil end
+  local n = tonumber(ARGV[eps])
+  if n == 0 then return nil end
   local urls = {}
-  for i, e in ipairs(eps) do urls[i] = e[1] end
+  for i = 1, n do urls[i] = ARGV[eps + 3 * i - 2] end
   local loads = redis.call('HMGET', KEYS[4], unpack(urls))
   local best, best_score = nil, nil
-  for i, e in ipairs(eps) do
-    local load = tonumber(loads[i] or '0')
-    if load < e[2] then
-      if mode == 'first' then return e[1] end
-      local s = load / e[2] + e[3]
-      if best == nil or s < best_score then best, best_score = e[1], s end
+  for i = 1, n do
+    local size, load = tonumber(ARGV[eps + 3 * i - 1]), tonumber(loads[i]) or 0
+    if load < size then
+      if mode == 'first' then return urls[i] end
+      local s = load / size + tonumber(ARGV[eps + 3 * i])
+      if best == nil or s < best_score then best, best_score = urls[i], s end
     end
   end
   return best

@@ -4,8 +4,8 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
-local ceilings, after = ceilings_at(3)
-local eps, at = endpoints(after)
+local eps = 4 + tonumber(ARGV[3])
+local _, at = endpoints(eps)
 local freed = 0
 for i = at + 1, at + tonumber(ARGV[at]) do
   -- A lease is never queued at the same time: a waiter leaves the queue when granted.
@@ -16,4 +16,4 @@ if freed > 0 then redis.call('INCRBY', KEYS[6], freed) end
 if redis.call('ZCARD', KEYS[2]) == 0 then return 0 end
 local now = now_ms()
 expire(now)
-return pump(now, tonumber(ARGV[1]), ceilings, eps, ARGV[2])
+return pump(now, tonumber(ARGV[1]), ceilings_at(3), eps, ARGV[2])
