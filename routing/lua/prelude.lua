@@ -42,8 +42,10 @@ end
 -- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
 -- Only the sweep runs it on every call; the others when the model is full or has waiters
 -- (else leases that expired meanwhile cost nothing until the sweep reclaims them).
-local function expire(now)
-  local late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
+-- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
+local function expire(now, waiting)
+  local late = {}
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now) end
   redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
   for _, id in ipairs(late) do redis.call('ZREM', KEYS[2], id) end
   local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -117,8 +119,10 @@ end
 -- before (`known`) then pauses grants for `rebuild_ms` (every replica's next sweep writes
 -- back what it holds within it); one that never saw it (a first start) just sets it. The
 -- queue's sequence restarts from Redis TIME, after any place a waiter held before.
-local function lost(now, known, rebuild_ms)
-  if redis.call('EXISTS', KEYS[9]) == 1 then return false end
+-- `present`: whether the marker is there, when the caller read it already.
+local function lost(now, known, rebuild_ms, present)
+  if present == nil then present = redis.call('EXISTS', KEYS[9]) == 1 end
+  if present then return false end
   redis.call('SET', KEYS[9], '1')
   if tonumber(redis.call('GET', KEYS[5]) or '0') < now then redis.call('SET', KEYS[5], score(now)) end
   if known == '1' and tonumber(rebuild_ms) > 0 then
