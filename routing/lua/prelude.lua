@@ -40,8 +40,8 @@ end
 -- admission and release keep working when Redis is full (usage records, whose script
 -- writes first with SET, are refused then and wait in the spool). So every model script
 -- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
--- Only the sweep runs it on every call; the others when the model is full or has waiters
--- (else leases that expired meanwhile cost nothing until the sweep reclaims them).
+-- The sweep, claim and move run it on every call; acquire and release only when the model
+-- may be full or has waiters (else leases that expired meanwhile wait for the sweep).
 -- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
 local function expire(now, waiting)
   local late = {}
