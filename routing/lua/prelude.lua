@@ -19,6 +19,8 @@ local function now_ms()
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 
+-- A whole number as Redis takes it. Also for every number a hot path hands to Redis:
+-- redis.call turns a Lua number into text with '%.17g', which costs more.
 local function score(n)
   return string.format('%.0f', n)
 end
@@ -28,7 +30,7 @@ local function drop_lease(id)
   if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
   local ep = redis.call('HGET', KEYS[3], id)
   if ep then
-    redis.call('HINCRBY', KEYS[4], ep, -1)
+    redis.call('HINCRBY', KEYS[4], ep, '-1')
     redis.call('HDEL', KEYS[3], id)
   end
   return 1
@@ -45,12 +47,13 @@ end
 -- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
 local function expire(now, waiting)
   local late = {}
-  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+  local upto = score(now)
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', upto) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', upto)
   for _, id in ipairs(late) do redis.call('ZREM', KEYS[2], id) end
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
   for _, id in ipairs(gone) do drop_lease(id) end
-  if #gone > 0 then redis.call('INCRBY', KEYS[6], #gone) end
+  if #gone > 0 then redis.call('INCRBY', KEYS[6], score(#gone)) end
 end
 
 -- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
@@ -90,9 +93,9 @@ local function unqueue(id)
 end
 
 local function grant(id, ep, expiry)
-  redis.call('ZADD', KEYS[1], expiry, id)
+  redis.call('ZADD', KEYS[1], score(expiry), id)
   redis.call('HSET', KEYS[3], id, ep)
-  redis.call('HINCRBY', KEYS[4], ep, 1)
+  redis.call('HINCRBY', KEYS[4], ep, '1')
 end
 
 -- The oldest waiter of the best tier that may take a slot now, or nil. A tier whose own

@@ -11,7 +11,7 @@ for i = at + 1, at + tonumber(ARGV[at]) do
   -- A lease is never queued at the same time: a waiter leaves the queue when granted.
   if drop_lease(ARGV[i]) == 1 then freed = freed + 1 else unqueue(ARGV[i]) end
 end
-if freed > 0 then redis.call('INCRBY', KEYS[6], freed) end
+if freed > 0 then redis.call('INCRBY', KEYS[6], score(freed)) end
 -- Nobody waits: nothing to hand on, and expired leases wait for the sweep.
 if redis.call('ZCARD', KEYS[2]) == 0 then return 0 end
 local now = now_ms()
