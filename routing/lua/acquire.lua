@@ -7,9 +7,24 @@
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
 -- tier); rebuild = ms left of the rebuild window when that is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+-- The common case costs a few reads: room for the tier, nobody queued, the model's state
+-- known and no rebuild. Then there is nothing to pump, and leases that expired meanwhile
+-- (a replica died) only make the model look fuller until the sweep reclaims them.
+if redis.call('ZCARD', KEYS[2]) == 0 then
+  local inflight = redis.call('ZCARD', KEYS[1])
+  local marks = redis.call('MGET', KEYS[9], KEYS[8])
+  if marks[1] and not marks[2] and inflight < tonumber(ARGV[11 + rank]) then
+    local ep = pick(11 + tonumber(ARGV[10]), ARGV[8])
+    if ep then
+      redis.call('ZREM', KEYS[2], id)  -- the first write, not `denyoom` (prelude: `expire`)
+      grant(id, ep, now + ttl)
+      return {1, ep, inflight + 1, 0, 0, 0}
+    end
+  end
+end
 local ceilings, after = ceilings_at(10)
 local eps, at = endpoints(after)
-local now = now_ms()
 expire(now)
 lost(now, ARGV[at], ARGV[at + 1])
 pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])

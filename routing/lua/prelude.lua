@@ -16,68 +16,86 @@ local RANK = 1e15
 
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 
+-- A whole number as Redis takes it. Also for every number a hot path hands to Redis:
+-- redis.call turns a Lua number into text with '%.17g', which costs more.
 local function score(n)
   return string.format('%.0f', n)
 end
 
+-- Forget a lease. Its first write (ZREM) is not `denyoom`: see `expire`.
 local function drop_lease(id)
+  if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
   local ep = redis.call('HGET', KEYS[3], id)
   if ep then
-    redis.call('HINCRBY', KEYS[4], ep, -1)
+    redis.call('HINCRBY', KEYS[4], ep, '-1')
     redis.call('HDEL', KEYS[3], id)
   end
-  return redis.call('ZREM', KEYS[1], id)
+  return 1
 end
 
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
--- keeping them alive. Every model script calls this first: its first write (ZREMRANGEBYSCORE)
--- frees memory, and Redis lets a script that has begun writing finish even at maxmemory
--- with noeviction, so admission and release keep working when Redis is full (usage records,
--- whose script writes first with SET, are refused then and wait in the spool).
-local function expire(now)
-  local late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now)
-  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+-- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
+-- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
+-- admission and release keep working when Redis is full (usage records, whose script
+-- writes first with SET, are refused then and wait in the spool). So every model script
+-- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
+-- The sweep, claim and move run it on every call; acquire and release only when the model
+-- may be full or has waiters (else leases that expired meanwhile wait for the sweep).
+-- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
+local function expire(now, waiting)
+  local late = {}
+  local upto = score(now)
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', upto) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', upto)
   for _, id in ipairs(late) do redis.call('ZREM', KEYS[2], id) end
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
   for _, id in ipairs(gone) do drop_lease(id) end
-  if #gone > 0 then redis.call('INCRBY', KEYS[6], #gone) end
+  if #gone > 0 then redis.call('INCRBY', KEYS[6], score(#gone)) end
 end
 
 -- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
 -- penalty (>= 0) is the worker's own load signal (queue, KV cache), 0 when not scraped.
--- Returns the endpoints and the index of the next argument.
+-- They stay in ARGV (no table per call): `eps` is where they start. Returns it and the
+-- index of the next argument.
 local function endpoints(from)
-  local n = tonumber(ARGV[from])
-  local eps = {}
-  for i = 1, n do
-    local at = from + 3 * i - 2
-    eps[i] = {ARGV[at], tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])}
-  end
-  return eps, from + 3 * n + 1
+  return from, from + 3 * tonumber(ARGV[from]) + 1
 end
 
--- The endpoint to take: in 'first' mode the first with room (cache affinity order), else the
--- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
+-- The endpoint to take (`eps`: where they start in ARGV): in 'first' mode the first with
+-- room (cache affinity order), else the least loaded relative to its size, plus its
+-- penalty. nil when every endpoint is full. One HMGET reads their loads.
 local function pick(eps, mode)
+  local n = tonumber(ARGV[eps])
+  if n == 0 then return nil end
+  local urls = {}
+  for i = 1, n do urls[i] = ARGV[eps + 3 * i - 2] end
+  local loads = redis.call('HMGET', KEYS[4], unpack(urls))
   local best, best_score = nil, nil
-  for _, e in ipairs(eps) do
-    local load = tonumber(redis.call('HGET', KEYS[4], e[1]) or '0')
-    if load < e[2] then
-      if mode == 'first' then return e[1] end
-      local s = load / e[2] + e[3]
-      if best == nil or s < best_score then best, best_score = e[1], s end
+  for i = 1, n do
+    local size, load = tonumber(ARGV[eps + 3 * i - 1]), tonumber(loads[i]) or 0
+    if load < size then
+      if mode == 'first' then return urls[i] end
+      local s = load / size + tonumber(ARGV[eps + 3 * i])
+      if best == nil or s < best_score then best, best_score = urls[i], s end
     end
   end
   return best
 end
 
+-- Take an id out of the queue (a no-op for an id never queued, but a write that is not
+-- `denyoom`: see `expire`).
+local function unqueue(id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[7], id)
+end
+
 local function grant(id, ep, expiry)
-  redis.call('ZADD', KEYS[1], expiry, id)
+  redis.call('ZADD', KEYS[1], score(expiry), id)
   redis.call('HSET', KEYS[3], id, ep)
-  redis.call('HINCRBY', KEYS[4], ep, 1)
+  redis.call('HINCRBY', KEYS[4], ep, '1')
 end
 
 -- The oldest waiter of the best tier that may take a slot now, or nil. A tier whose own
@@ -104,8 +122,10 @@ end
 -- before (`known`) then pauses grants for `rebuild_ms` (every replica's next sweep writes
 -- back what it holds within it); one that never saw it (a first start) just sets it. The
 -- queue's sequence restarts from Redis TIME, after any place a waiter held before.
-local function lost(now, known, rebuild_ms)
-  if redis.call('EXISTS', KEYS[9]) == 1 then return false end
+-- `present`: whether the marker is there, when the caller read it already.
+local function lost(now, known, rebuild_ms, present)
+  if present == nil then present = redis.call('EXISTS', KEYS[9]) == 1 end
+  if present then return false end
   redis.call('SET', KEYS[9], '1')
   if tonumber(redis.call('GET', KEYS[5]) or '0') < now then redis.call('SET', KEYS[5], score(now)) end
   if known == '1' and tonumber(rebuild_ms) > 0 then
@@ -125,8 +145,7 @@ local function pump(now, claim, ceilings, eps, channel)
     if not id then break end
     local ep = pick(eps, 'least')
     if not ep then break end
-    redis.call('ZREM', KEYS[2], id)
-    redis.call('ZREM', KEYS[7], id)
+    unqueue(id)
     grant(id, ep, now + claim)
     redis.call('PUBLISH', channel, id .. ' ' .. ep)
     granted = granted + 1
@@ -137,8 +156,7 @@ end
 -- A lease this replica holds: kept for `ttl` ms more, or written back if Redis lost it
 -- (restart, failover). Returns 1 when it had to be written back.
 local function hold(id, ep, expiry)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[7], id)
+  unqueue(id)
   if redis.call('ZSCORE', KEYS[1], id) then
     redis.call('ZADD', KEYS[1], 'XX', expiry, id)
     return 0

@@ -4,15 +4,16 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
-local now = now_ms()
-expire(now)
-local ceilings, after = ceilings_at(3)
-local eps, at = endpoints(after)
+local eps = 4 + tonumber(ARGV[3])
+local _, at = endpoints(eps)
 local freed = 0
 for i = at + 1, at + tonumber(ARGV[at]) do
-  freed = freed + drop_lease(ARGV[i])
-  redis.call('ZREM', KEYS[2], ARGV[i])
-  redis.call('ZREM', KEYS[7], ARGV[i])
+  -- A lease is never queued at the same time: a waiter leaves the queue when granted.
+  if drop_lease(ARGV[i]) == 1 then freed = freed + 1 else unqueue(ARGV[i]) end
 end
-if freed > 0 then redis.call('INCRBY', KEYS[6], freed) end
-return pump(now, tonumber(ARGV[1]), ceilings, eps, ARGV[2])
+if freed > 0 then redis.call('INCRBY', KEYS[6], score(freed)) end
+-- Nobody waits: nothing to hand on, and expired leases wait for the sweep.
+if redis.call('ZCARD', KEYS[2]) == 0 then return 0 end
+local now = now_ms()
+expire(now)
+return pump(now, tonumber(ARGV[1]), ceilings_at(3), eps, ARGV[2])

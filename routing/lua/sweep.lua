@@ -12,13 +12,16 @@
 -- Returns {{inflight, queued per tier (best first), freed so far}, written-back lease ids,
 --          one entry per waiter: its granted endpoint or ''}.
 local now = now_ms()
-expire(now)
+-- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
+local waiting = redis.call('ZCARD', KEYS[2]) > 0
+expire(now, waiting)
+local marks = redis.call('MGET', KEYS[9], KEYS[6])  -- the state marker; slots freed so far
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[3])
 local ceilings, after = ceilings_at(5)
 local eps, at = endpoints(after)
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
-lost(now, ARGV[tail + 1], ARGV[tail])
+lost(now, ARGV[tail + 1], ARGV[tail], marks[1] ~= false)
 local restored = {}
 local n = tonumber(ARGV[at])
 for i = at + 1, at + 2 * n, 2 do
@@ -49,11 +52,13 @@ end
 if #restored + requeued > 0 and not rebuilding() then
   redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
-pump(now, tonumber(ARGV[2]), ceilings, eps, ARGV[4])
+waiting = waiting or requeued > 0
+if waiting then pump(now, tonumber(ARGV[2]), ceilings, eps, ARGV[4]) end
 local function queued(rank)
+  if not waiting then return 0 end
   return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))
 end
 local state = {redis.call('ZCARD', KEYS[1])}
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
-state[#state + 1] = tonumber(redis.call('GET', KEYS[6]) or '0')
+state[#state + 1] = tonumber(marks[2] or '0')
 return {state, restored, granted}

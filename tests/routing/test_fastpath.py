@@ -1,0 +1,79 @@
+"""The scripts' cheap common case (routing/lua/acquire.lua, release.lua): an acquire with
+room and nobody queued, and a release that leaves nobody queued, skip the reclaim of
+expired leases and the pump. Expired leases then never turn a request away, and both still
+run when Redis is full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from routing.slots import GRANTED
+from tests.redis_server import RedisServer
+from tests.routing.test_slots import A, B, Model, slots
+
+
+async def test_a_full_model_reclaims_expired_leases_before_turning_a_request_away(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots())
+    first = (await m.acquire("l1")).endpoint
+    await m.acquire("l2")
+    await m.expire_lease("l1")
+    got = await m.acquire("l3")
+    assert (got.status, got.endpoint) == (GRANTED, first)
+    assert await m.leases() == {"l2", "l3"}
+    assert await m.load() == {A: 1, B: 1}
+    assert (await m.state())[-1] == 1  # the expired lease counts as freed
+
+
+async def test_a_full_endpoint_reclaims_before_an_affinity_request_is_turned_away(
+    real_redis: aioredis.Redis,
+) -> None:
+    # The model has room; only the endpoint the request must go to looks full.
+    m = Model(real_redis, slots([(A, 1), (B, 2)]))
+    assert (await m.acquire("l1", affinity=[A])).endpoint == A
+    await m.expire_lease("l1")
+    got = await m.acquire("l2", affinity=[A])
+    assert (got.status, got.endpoint) == (GRANTED, A)
+    assert await m.leases() == {"l2"}
+    assert await m.load() == {A: 1}
+
+
+async def test_a_release_without_waiters_leaves_expired_leases_to_the_sweep(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    await m.expire_lease("l1")
+    assert await m.release("l2") == 0
+    assert await m.leases() == {"l1"}
+    assert await m.state() == [0, 0, 0, 0, 2]  # the sweep reclaims it
+    assert await m.load() == {A: 0, B: 0}
+
+
+async def test_the_cheap_paths_run_while_redis_is_full(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, maxmemory="2mb").start()
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        m = Model(client, slots())
+        await m.acquire("first")  # the model's state, before Redis fills up
+        assert await m.release("first") == 0
+        await client.eval(
+            "redis.call('DEL', 'filler:none') "
+            "for i = 1, 300 do redis.call('SET', 'filler:' .. i, string.rep('x', 10000)) end",
+            0,
+        )
+        with pytest.raises(ResponseError, match="maxmemory"):
+            await client.set("probe", "x")
+        got = await m.acquire("l1")
+        assert got.status == GRANTED
+        assert await m.release("l1") == 0
+        assert await m.leases() == set()
+    finally:
+        await client.aclose()
+        server.stop()
