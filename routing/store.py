@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
+from urllib.parse import urlparse, urlunparse
 
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import DataError, NoScriptError, RedisError
 
 from routing import sentinel
+from routing.cluster import ClusterStore
 from routing.resp import RespClient
 from routing.storeerrors import Cause, cause_of
 from routing.wire import Command, keepalive_options
@@ -43,6 +48,8 @@ def connect(url: str, *, command_timeout_s: float) -> aioredis.Redis:
             url, CONNECT_TIMEOUT_S, max_connections=MAX_CONNECTIONS,
             **_options(socket_timeout=command_timeout_s),
         )  # fmt: skip
+    if is_cluster(url, command_timeout_s):
+        return cluster_client(url, command_timeout_s)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=command_timeout_s,
         **_options(socket_timeout=command_timeout_s),
@@ -100,7 +107,9 @@ class RedisPyStore:
 def script_store(url: str, client: aioredis.Redis, command_timeout_s: float) -> Store:
     """Where admission scripts run: the lean pipelining client for redis://, unix:// and
     redis+sentinel:// (on the master the sentinels name), else (memory://, rediss://) the
-    redis-py `client`."""
+    redis-py `client`; on a Cluster, its own (`cluster_store`)."""
+    if isinstance(client, RedisCluster):
+        return cluster_store(url, command_timeout_s)
     if RespClient.supports(url):
         return RespClient(url, command_timeout_s=command_timeout_s)
     if sentinel.is_sentinel(url):
@@ -116,6 +125,8 @@ def subscriber(url: str, client: aioredis.Redis) -> aioredis.Redis:
         return client
     if sentinel.is_sentinel(url):
         return sentinel.master_client(url, CONNECT_TIMEOUT_S, **_options(socket_timeout=None))
+    if isinstance(client, RedisCluster):
+        return cluster_subscriber(url, client)
     return aioredis.Redis.from_url(url, **_options(socket_timeout=None))
 
 
@@ -137,6 +148,8 @@ async def probe(
     master; with `scripts`, running a script that does not exist answers NOSCRIPT where
     this user may run scripts (else NOPERM, or an unknown command on a Sentinel). Redis
     counts that NOSCRIPT as a failed call, so frequent probes leave it out."""
+    if isinstance(client, RedisCluster):
+        return await probe_cluster(client, timeout_s, scripts=scripts)
     try:
         async with asyncio.timeout(timeout_s):
             pipe = client.pipeline(transaction=False)
@@ -190,3 +203,133 @@ def start_problem(url: str, command_timeout_s: float) -> Cause | None:
 
     cause = asyncio.run(check())
     return cause if cause is not None and cause.misconfigured else None
+
+
+# --- Redis Cluster (routing/cluster.py), detected by itself from any node's address --------
+
+
+def is_cluster(url: str, command_timeout_s: float) -> bool:
+    """Whether `url` (redis:// or rediss://) is a node of a Redis Cluster: asked once, when a
+    client is made. A node that cannot be reached now counts as a single Redis."""
+    if not url.startswith(("redis://", "rediss://")):
+        return False
+    options = _options(socket_timeout=command_timeout_s)
+    try:
+        with redis.Redis.from_url(_without_db(url), **options) as client:
+            return int(client.info("cluster").get("cluster_enabled", 0)) == 1
+    except (RedisError, OSError, ValueError):
+        return False
+
+
+def _without_db(url: str) -> str:
+    # A Cluster has db 0 only: a single Redis's db in the URL would fail the question.
+    return urlunparse(urlparse(url)._replace(path=""))
+
+
+def _node_url(url: str, host: str, port: int) -> str:
+    """`url` (its password, TLS options) for another node of the same Cluster."""
+    parsed = urlparse(url)
+    auth = parsed.netloc.rpartition("@")[0]
+    netloc = f"{auth}@{host}:{port}" if auth else f"{host}:{port}"
+    return urlunparse(parsed._replace(netloc=netloc, path=""))
+
+
+def cluster_client(url: str, command_timeout_s: float) -> aioredis.Redis:
+    """redis-py's Cluster client, for everything but the scripts (keys, export, probes)."""
+    client = RedisCluster.from_url(
+        _without_db(url), max_connections=MAX_CONNECTIONS,
+        **_options(socket_timeout=command_timeout_s),
+    )  # fmt: skip
+    return client  # type: ignore[return-value]
+
+
+def cluster_store(url: str, command_timeout_s: float) -> Store:
+    """The scripts' store on a Cluster: one lean client per master (redis://), or one
+    redis-py client per master (rediss://)."""
+    seed = urlparse(url)
+
+    def node(host: str, port: int) -> Store:
+        node_url = _node_url(url, host, port)
+        if RespClient.supports(node_url):
+            return RespClient(node_url, command_timeout_s=command_timeout_s)
+        pool = BlockingConnectionPool.from_url(
+            node_url, max_connections=MAX_CONNECTIONS, timeout=command_timeout_s,
+            **_options(socket_timeout=command_timeout_s),
+        )  # fmt: skip
+        return _OwnedStore(aioredis.Redis.from_pool(pool), command_timeout_s)
+
+    return ClusterStore([(seed.hostname or "127.0.0.1", seed.port or 6379)], node)
+
+
+class _OwnedStore(RedisPyStore):
+    """A `RedisPyStore` whose client is its own: closed with it."""
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def cluster_subscriber(url: str, client: RedisCluster) -> aioredis.Redis:
+    """The pub/sub client on a Cluster: PUBLISH reaches every node, so any node serves the
+    subscription. Each new one (after one broke) goes to the next master `client` knows."""
+    return _AnyNodeSubscriber(url, client)
+
+
+class _AnyNodeSubscriber(aioredis.Redis):
+    """`pubsub()` on the given node first, then on each master of the Cluster in turn."""
+
+    def __init__(self, url: str, cluster: RedisCluster) -> None:
+        super().__init__(connection_pool=self._pool(_without_db(url)))
+        self._url, self._cluster, self._turn = url, cluster, 0
+        self._pools = {url: self.connection_pool}
+
+    @staticmethod
+    def _pool(url: str) -> aioredis.ConnectionPool:
+        return aioredis.ConnectionPool.from_url(url, **_options(socket_timeout=None))
+
+    def pubsub(self, **kwargs: Any) -> PubSub:
+        masters = [_node_url(self._url, n.host, int(n.port)) for n in self._cluster.get_primaries()]
+        urls = list(dict.fromkeys([_without_db(self._url), *masters]))
+        url = urls[self._turn % len(urls)]
+        self._turn += 1
+        if url not in self._pools:
+            self._pools[url] = self._pool(url)
+        return PubSub(self._pools[url], **kwargs)
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        for pool in self._pools.values():
+            await pool.disconnect()
+
+
+async def probe_cluster(
+    client: RedisCluster, timeout_s: float | None, *, scripts: bool = True
+) -> Cause | None:
+    """`probe` on a Cluster: every master must be reachable, a master, able to run
+    scripts, and see the cluster as ok."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.initialize()
+            causes = await asyncio.gather(
+                *(_probe_node(client, n, scripts) for n in client.get_primaries())
+            )
+    except TimeoutError:
+        return Cause("timeout", f"redis: no answer within {timeout_s or 0:g} s")
+    except (RedisError, OSError) as exc:
+        return cause_of(exc)
+    return next((c for c in causes if c is not None), None)
+
+
+async def _probe_node(client: RedisCluster, node: Any, scripts: bool) -> Cause | None:
+    info = await client.execute_command("CLUSTER INFO", target_nodes=node)
+    state = _text(info.get("cluster_state", "")) if isinstance(info, dict) else ""
+    if state != "ok":
+        return Cause("unreachable", f"redis: cluster state {state or 'unknown'} ({node.name})")
+    role = await client.execute_command("ROLE", target_nodes=node)
+    if (cause := _not_master(role)) is not None or not scripts:
+        return cause
+    try:
+        await client.execute_command("EVALSHA", PROBE_SHA, 0, target_nodes=node)
+    except NoScriptError:
+        return None
+    except RedisError as exc:
+        return cause_of(exc)
+    return None

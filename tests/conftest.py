@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 
 # Set by pytest_configure, before any test module is imported.
@@ -45,6 +46,26 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()  # resumes it first if paused
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-master Redis Cluster of this run, started by the first test that asks for it."""
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def empty_cluster(redis_cluster: RedisCluster) -> Iterator[RedisCluster]:
+    """The run's cluster, emptied (keys and scripts) before and after the test."""
+    redis_cluster.flush()
+    try:
+        yield redis_cluster
+    finally:
+        redis_cluster.flush()
 
 
 @pytest.fixture

@@ -1,0 +1,309 @@
+"""The `Store` (routing/store.py) over a Redis Cluster: one client per master, each command
+sent to the master of its first key's hash slot.
+
+Every admission script touches the keys of one hash tag only (`gw:{model}:...`,
+`gw:acct:{account}`, `{usage}`), so a script runs whole on one node; a batch mixes calls of
+different tags (an account's call and a model's in one round trip), so a batch is split per
+node, the parts leave at once (one round trip of latency, not one per node), and the
+replies are put back in the batch's order.
+
+The slot map comes from `CLUSTER SLOTS`, asked of any node known (the address given first).
+A `MOVED` reply (the slot has another master now) updates that slot at once, refreshes the
+whole map in the background and resends the command to the new master; an `ASK` reply (the
+slot is being migrated and this key is already on the target) resends `ASKING` and the
+command to the target, on the same connection; `TRYAGAIN` (a script whose keys are split
+between the two nodes mid-migration) is resent after a short pause. None of these replies
+means the command ran, so resending never runs one twice; a few redirects at most, then the
+redirect reply stays in place as the command's error. `SCRIPT` commands go to every master
+(each node has its own script cache); keyless ones (`TIME`) to any one.
+
+A part that fails as a whole (a node lost or stalled) fails the whole batch, so the caller
+treats every call of it as in doubt (routing/handback.py) - except when no part was sent
+at all (`NotSent`: nothing to undo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import DataError, RedisError, ResponseError
+
+from routing.resp import NotSent
+from routing.wire import Command
+
+if TYPE_CHECKING:
+    from routing.store import Store
+
+log = logging.getLogger("gateway.store")
+
+Node = tuple[str, int]  # (host, port)
+ANY = -1  # a keyless command: any master answers it
+EVERY = -2  # a SCRIPT command: every master must run it
+_SCRIPTED = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"})
+_KEYLESS = frozenset({"TIME", "PING", "ECHO", "INFO", "ROLE", "CLUSTER", "ASKING"})
+# Redirects one command may follow before its redirect reply stays as its error: a slot
+# moves once at a time, so more than a couple means the map is changing faster than it
+# can be followed.
+MAX_REDIRECTS = 5
+TRYAGAIN_PAUSE_S = 0.02
+
+
+def _name(command: Command) -> str:
+    name = command[0]
+    return (name.decode() if isinstance(name, bytes) else str(name)).upper()
+
+
+def _encoded(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def slot_of(command: Command) -> int:
+    """The hash slot of the command's first key, or `ANY` / `EVERY`."""
+    name = _name(command)
+    if name in _SCRIPTED:
+        numkeys = int(command[2])
+        return key_slot(_encoded(command[3])) if numkeys > 0 else ANY
+    if name in ("SCRIPT", "FUNCTION"):
+        return EVERY
+    if name in _KEYLESS or len(command) < 2:
+        return ANY
+    return key_slot(_encoded(command[1]))
+
+
+def redirect_of(reply: Any) -> tuple[str, int, Node | None] | None:
+    """("MOVED" | "ASK", slot, node) of a redirect reply, ("TRYAGAIN", -1, None), or None."""
+    if not isinstance(reply, ResponseError):
+        return None
+    parts = str(reply).split()
+    if parts and parts[0] == "TRYAGAIN":
+        return ("TRYAGAIN", -1, None)
+    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
+        return None
+    host, _, port = parts[2].rpartition(":")
+    return (parts[0], int(parts[1]), (host, int(port)))
+
+
+def _check_encodable(commands: Sequence[Command]) -> None:
+    # Before any part leaves: a batch is sent whole or not at all.
+    for command in commands:
+        for arg in command:
+            if isinstance(arg, str):
+                arg.encode()
+
+
+class ClusterStore:
+    """A Redis Cluster, reached from any of its nodes (`seeds`). `connect(host, port)` gives
+    the `Store` of one node (a `RespClient`, or redis-py for TLS)."""
+
+    def __init__(self, seeds: Sequence[Node], connect: Callable[[str, int], Store]) -> None:
+        self._seeds = list(seeds)
+        self._connect = connect
+        self._nodes: dict[Node, Store] = {}
+        self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        self._masters: list[Node] = []
+        self._refreshing: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    # --- sending -------------------------------------------------------------------------
+
+    def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
+        """The `Store` contract (routing/store.py), whatever node each command goes to."""
+        try:
+            _check_encodable(commands)
+            slots = [slot_of(c) for c in commands]
+        except UnicodeError as exc:
+            failed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
+            return failed
+        if self._masters and all(s < 0 or self._slots[s] is not None for s in slots):
+            parts = self._dispatch(commands, slots)  # the hot path: written in this tick
+            return self._track(asyncio.ensure_future(self._finish(commands, slots, parts)))
+        return self._track(asyncio.ensure_future(self._send_mapped(commands, slots)))
+
+    async def _send_mapped(self, commands: Sequence[Command], slots: list[int]) -> list[Any]:
+        """The first call, or one for a slot no master serves in the map known: ask the map."""
+        try:
+            await self.refresh()
+        except RedisError as exc:
+            raise NotSent(f"cannot learn the cluster's slots: {exc}") from exc
+        return await self._finish(commands, slots, self._dispatch(commands, slots))
+
+    def _dispatch(
+        self, commands: Sequence[Command], slots: list[int]
+    ) -> list[tuple[list[int], asyncio.Future[list[Any]]]]:
+        """Each node's part of the batch, sent now: (the indices of its commands, its future).
+        A command whose slot has no master gets a CLUSTERDOWN error in its place."""
+        by_node: dict[Node, list[int]] = {}
+        keyed = next((self._slots[s] for s in slots if s >= 0 and self._slots[s]), None)
+        for i, slot in enumerate(slots):
+            for node in self._masters if slot == EVERY else [self._route(slot, keyed)]:
+                if node is not None:
+                    by_node.setdefault(node, []).append(i)
+        return [
+            (indices, self.node(node).send([commands[i] for i in indices]))
+            for node, indices in by_node.items()
+        ]
+
+    async def _finish(
+        self,
+        commands: Sequence[Command],
+        slots: list[int],
+        parts: list[tuple[list[int], asyncio.Future[list[Any]]]],
+    ) -> list[Any]:
+        replies = await _assemble(len(commands), parts)
+        for i, reply in enumerate(replies):
+            if reply is _UNSERVED:
+                replies[i] = ResponseError(f"CLUSTERDOWN Hash slot {slots[i]} not served")
+        for _ in range(MAX_REDIRECTS):
+            redirected = [i for i, r in enumerate(replies) if redirect_of(r) is not None]
+            if not redirected:
+                break
+            await self._follow(commands, replies, redirected)
+        return replies
+
+    async def _follow(
+        self, commands: Sequence[Command], replies: list[Any], redirected: list[int]
+    ) -> None:
+        """Resend the redirected commands where their replies say, all at once; their new
+        replies replace the redirects in `replies`. A part that fails fails the batch (other
+        commands of it ran already: never `NotSent`)."""
+        if any(redirect_of(replies[i])[0] == "TRYAGAIN" for i in redirected):  # type: ignore[index]
+            await asyncio.sleep(TRYAGAIN_PAUSE_S)  # mid-migration: the keys move soon
+        by_node: dict[Node, list[Command]] = {}
+        order: dict[Node, list[tuple[int, bool]]] = {}  # (index, whether ASKING precedes)
+        for i in redirected:
+            kind, slot, target = redirect_of(replies[i]) or ("", -1, None)
+            if kind == "MOVED" and target is not None:
+                self._slots[slot] = target
+                self._refresh_soon()
+            elif target is None:  # TRYAGAIN: the same slot, wherever the map says now
+                target = self._route(slot_of(commands[i]), None)
+            if target is None:
+                continue  # no master for it: the TRYAGAIN stays its reply
+            asking = kind == "ASK"
+            sent = by_node.setdefault(target, [])
+            sent += [["ASKING"], commands[i]] if asking else [commands[i]]
+            order.setdefault(target, []).append((i, asking))
+        futures = {node: self.node(node).send(cmds) for node, cmds in by_node.items()}
+        for node, future in futures.items():
+            try:
+                answered = await future
+            except RedisError as exc:
+                await asyncio.gather(*futures.values(), return_exceptions=True)
+                raise _in_doubt(exc) from exc
+            at = 0
+            for i, asking in order[node]:
+                at += 1 if asking else 0  # ASKING's own OK
+                replies[i] = answered[at]
+                at += 1
+
+    def node_of_slot(self, slot: int) -> Node | None:
+        """The master of `slot` in the map known now."""
+        return self._slots[slot]
+
+    def _route(self, slot: int, keyed: Node | None) -> Node | None:
+        """The master for `slot` (a keyless command: the batch's first keyed node, or any)."""
+        if slot >= 0:
+            return self._slots[slot]
+        return keyed or (self._masters[0] if self._masters else None)
+
+    # --- the map -------------------------------------------------------------------------
+
+    def node(self, node: Node) -> Store:
+        store = self._nodes.get(node)
+        if store is None:
+            store = self._nodes[node] = self._connect(*node)
+        return store
+
+    def _refresh_soon(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(_quiet)
+
+    async def refresh(self) -> None:
+        """Learn the slot map now (one `CLUSTER SLOTS` in flight at a time)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
+        last: Exception = RedisConnectionError("no cluster node known")
+        for node in dict.fromkeys([*self._masters, *self._seeds]):
+            try:
+                (reply,) = await self.node(node).send([["CLUSTER", "SLOTS"]])
+            except RedisError as exc:
+                last = exc
+                continue
+            if isinstance(reply, Exception):
+                last = reply
+                continue
+            self._learn(node[0], reply)
+            return
+        raise last
+
+    def _learn(self, asked: str, reply: list[Any]) -> None:
+        slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        masters: dict[Node, None] = {}
+        for start, end, master, *_replicas in reply:
+            host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+            node = (host if host not in ("", "?") else asked, int(master[1]))
+            masters[node] = None
+            slots[int(start) : int(end) + 1] = [node] * (int(end) - int(start) + 1)
+        self._slots, self._masters = slots, list(masters)
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def _track(self, future: asyncio.Future[list[Any]]) -> asyncio.Future[list[Any]]:
+        self._tasks.add(future)
+        future.add_done_callback(self._tasks.discard)
+        return future
+
+    async def aclose(self) -> None:
+        if self._refreshing is not None and not self._refreshing.done():
+            self._refreshing.cancel()
+        for store in self._nodes.values():
+            await store.aclose()
+        self._nodes.clear()
+
+
+_UNSERVED = object()  # a command no master was found for
+
+
+async def _assemble(
+    count: int, parts: list[tuple[list[int], asyncio.Future[list[Any]]]]
+) -> list[Any]:
+    """The parts' replies in the batch's order (a command sent to every master: the first
+    error among them, else the first reply). A part that failed fails the batch."""
+    if parts:
+        await asyncio.wait([f for _, f in parts])
+    failed = [f.exception() for _, f in parts if f.exception() is not None]
+    if failed:
+        answered = len(failed) < len(parts)
+        if all(isinstance(e, NotSent) for e in failed) and not answered:
+            raise failed[0]  # type: ignore[misc]
+        raise _in_doubt(next((e for e in failed if not isinstance(e, NotSent)), failed[0]))
+    replies: list[Any] = [_UNSERVED] * count
+    for indices, future in parts:
+        for i, reply in zip(indices, future.result(), strict=True):
+            if replies[i] is _UNSERVED or (
+                isinstance(reply, Exception) and not isinstance(replies[i], Exception)
+            ):
+                replies[i] = reply
+    return replies
+
+
+def _in_doubt(exc: BaseException | None) -> BaseException:
+    """A failure after other parts of the batch ran: not `NotSent`, so callers doubt it all."""
+    if isinstance(exc, NotSent) or exc is None:
+        return RedisConnectionError(f"part of a cluster batch failed: {exc}")
+    return exc
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.debug("cluster slot map refresh failed: %s", exc)
