@@ -25,8 +25,11 @@ at all (`NotSent`: nothing to undo).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -50,7 +53,9 @@ _KEYLESS = frozenset({"TIME", "PING", "ECHO", "INFO", "ROLE", "CLUSTER", "ASKING
 # moves once at a time, so more than a couple means the map is changing faster than it
 # can be followed.
 MAX_REDIRECTS = 5
-TRYAGAIN_PAUSE_S = 0.02
+# Between rounds of TRYAGAIN (a script whose keys are being migrated): doubling from 5 ms.
+PAUSE_S = 0.005
+MAX_PAUSE_S = 0.1
 
 
 def _name(command: Command) -> str:
@@ -98,32 +103,76 @@ def _check_encodable(commands: Sequence[Command]) -> None:
 
 class ClusterStore:
     """A Redis Cluster, reached from any of its nodes (`seeds`). `connect(host, port)` gives
-    the `Store` of one node (a `RespClient`, or redis-py for TLS)."""
+    the `Store` of one node (a `RespClient`, or redis-py for TLS). `patience_s`: how long
+    redirects are followed past the first few (the command timeout)."""
 
-    def __init__(self, seeds: Sequence[Node], connect: Callable[[str, int], Store]) -> None:
+    def __init__(
+        self,
+        seeds: Sequence[Node],
+        connect: Callable[[str, int], Store],
+        *,
+        patience_s: float = 2.0,
+    ) -> None:
         self._seeds = list(seeds)
+        self._patience_s = patience_s
         self._connect = connect
         self._nodes: dict[Node, Store] = {}
         self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._masters: list[Node] = []
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
+        # Redirects followed, by kind (MOVED, ASK, TRYAGAIN): how often the map was behind.
+        self.redirects: Counter[str] = Counter()
 
     # --- sending -------------------------------------------------------------------------
 
     def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
         """The `Store` contract (routing/store.py), whatever node each command goes to."""
+        loop = asyncio.get_running_loop()
+        outer: asyncio.Future[list[Any]] = loop.create_future()
         try:
             _check_encodable(commands)
             slots = [slot_of(c) for c in commands]
         except UnicodeError as exc:
-            failed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-            failed.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
-            return failed
-        if self._masters and all(s < 0 or self._slots[s] is not None for s in slots):
-            parts = self._dispatch(commands, slots)  # the hot path: written in this tick
-            return self._track(asyncio.ensure_future(self._finish(commands, slots, parts)))
-        return self._track(asyncio.ensure_future(self._send_mapped(commands, slots)))
+            outer.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
+            return outer
+        if not self._masters or any(s >= 0 and self._slots[s] is None for s in slots):
+            return self._task(self._send_mapped(commands, slots))
+        # The hot path: every part written in this tick, no task unless a reply redirects.
+        parts = self._dispatch(commands, slots)
+        left = len(parts)
+
+        def part_done(_: asyncio.Future[list[Any]]) -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                self._settle(commands, slots, parts, outer)
+
+        for _, future in parts:
+            future.add_done_callback(part_done)
+        if not parts:
+            outer.set_result([])
+        return outer
+
+    def _settle(
+        self,
+        commands: Sequence[Command],
+        slots: list[int],
+        parts: list[tuple[list[int], asyncio.Future[list[Any]]]],
+        outer: asyncio.Future[list[Any]],
+    ) -> None:
+        if outer.done():  # cancelled by whoever awaited it: the parts ran all the same
+            return
+        try:
+            replies = _assemble(len(commands), slots, parts)
+        except RedisError as exc:
+            outer.set_exception(exc)
+            return
+        if not any(redirect_of(r) is not None for r in replies):
+            outer.set_result(replies)
+            return
+        redirected = self._task(self._follow_all(commands, replies))
+        redirected.add_done_callback(partial(_chain, outer))
 
     async def _send_mapped(self, commands: Sequence[Command], slots: list[int]) -> list[Any]:
         """The first call, or one for a slot no master serves in the map known: ask the map."""
@@ -131,13 +180,16 @@ class ClusterStore:
             await self.refresh()
         except RedisError as exc:
             raise NotSent(f"cannot learn the cluster's slots: {exc}") from exc
-        return await self._finish(commands, slots, self._dispatch(commands, slots))
+        parts = self._dispatch(commands, slots)
+        if parts:
+            await asyncio.wait([f for _, f in parts])
+        return await self._follow_all(commands, _assemble(len(commands), slots, parts))
 
     def _dispatch(
         self, commands: Sequence[Command], slots: list[int]
     ) -> list[tuple[list[int], asyncio.Future[list[Any]]]]:
         """Each node's part of the batch, sent now: (the indices of its commands, its future).
-        A command whose slot has no master gets a CLUSTERDOWN error in its place."""
+        A command whose slot has no master is in no part."""
         by_node: dict[Node, list[int]] = {}
         keyed = next((self._slots[s] for s in slots if s >= 0 and self._slots[s]), None)
         for i, slot in enumerate(slots):
@@ -149,20 +201,18 @@ class ClusterStore:
             for node, indices in by_node.items()
         ]
 
-    async def _finish(
-        self,
-        commands: Sequence[Command],
-        slots: list[int],
-        parts: list[tuple[list[int], asyncio.Future[list[Any]]]],
-    ) -> list[Any]:
-        replies = await _assemble(len(commands), parts)
-        for i, reply in enumerate(replies):
-            if reply is _UNSERVED:
-                replies[i] = ResponseError(f"CLUSTERDOWN Hash slot {slots[i]} not served")
-        for _ in range(MAX_REDIRECTS):
+    async def _follow_all(self, commands: Sequence[Command], replies: list[Any]) -> list[Any]:
+        """Follow redirects until none is left: at least `MAX_REDIRECTS` rounds, more while
+        `patience_s` lasts (a slot being migrated answers TRYAGAIN until it is done)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._patience_s
+        for hop in itertools.count():
             redirected = [i for i, r in enumerate(replies) if redirect_of(r) is not None]
-            if not redirected:
+            if not redirected or (hop >= MAX_REDIRECTS and loop.time() >= deadline):
                 break
+            waiting = any(str(replies[i]).startswith("TRYAGAIN") for i in redirected)
+            if waiting or hop >= MAX_REDIRECTS:
+                await asyncio.sleep(min(PAUSE_S * 2**hop, MAX_PAUSE_S))
             await self._follow(commands, replies, redirected)
         return replies
 
@@ -172,12 +222,11 @@ class ClusterStore:
         """Resend the redirected commands where their replies say, all at once; their new
         replies replace the redirects in `replies`. A part that fails fails the batch (other
         commands of it ran already: never `NotSent`)."""
-        if any(redirect_of(replies[i])[0] == "TRYAGAIN" for i in redirected):  # type: ignore[index]
-            await asyncio.sleep(TRYAGAIN_PAUSE_S)  # mid-migration: the keys move soon
         by_node: dict[Node, list[Command]] = {}
         order: dict[Node, list[tuple[int, bool]]] = {}  # (index, whether ASKING precedes)
         for i in redirected:
             kind, slot, target = redirect_of(replies[i]) or ("", -1, None)
+            self.redirects[kind] += 1
             if kind == "MOVED" and target is not None:
                 self._slots[slot] = target
                 self._refresh_soon()
@@ -190,13 +239,12 @@ class ClusterStore:
             sent += [["ASKING"], commands[i]] if asking else [commands[i]]
             order.setdefault(target, []).append((i, asking))
         futures = {node: self.node(node).send(cmds) for node, cmds in by_node.items()}
+        if futures:
+            await asyncio.wait(futures.values())
         for node, future in futures.items():
-            try:
-                answered = await future
-            except RedisError as exc:
-                await asyncio.gather(*futures.values(), return_exceptions=True)
-                raise _in_doubt(exc) from exc
-            at = 0
+            if (exc := future.exception()) is not None:
+                raise _in_doubt(exc)
+            answered, at = future.result(), 0
             for i, asking in order[node]:
                 at += 1 if asking else 0  # ASKING's own OK
                 replies[i] = answered[at]
@@ -258,10 +306,12 @@ class ClusterStore:
 
     # --- lifetime ------------------------------------------------------------------------
 
-    def _track(self, future: asyncio.Future[list[Any]]) -> asyncio.Future[list[Any]]:
-        self._tasks.add(future)
-        future.add_done_callback(self._tasks.discard)
-        return future
+    def _task(self, work: Coroutine[Any, Any, list[Any]]) -> asyncio.Future[list[Any]]:
+        # A strong reference while it runs: the loop keeps only a weak one.
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def aclose(self) -> None:
         if self._refreshing is not None and not self._refreshing.done():
@@ -274,18 +324,16 @@ class ClusterStore:
 _UNSERVED = object()  # a command no master was found for
 
 
-async def _assemble(
-    count: int, parts: list[tuple[list[int], asyncio.Future[list[Any]]]]
+def _assemble(
+    count: int, slots: list[int], parts: list[tuple[list[int], asyncio.Future[list[Any]]]]
 ) -> list[Any]:
-    """The parts' replies in the batch's order (a command sent to every master: the first
-    error among them, else the first reply). A part that failed fails the batch."""
-    if parts:
-        await asyncio.wait([f for _, f in parts])
-    failed = [f.exception() for _, f in parts if f.exception() is not None]
+    """The parts' replies (all done) in the batch's order; a command sent to every master:
+    the first error among them, else the first reply; one no master serves: CLUSTERDOWN.
+    A part that failed fails the batch."""
+    failed = [e for _, f in parts if (e := f.exception()) is not None]
     if failed:
-        answered = len(failed) < len(parts)
-        if all(isinstance(e, NotSent) for e in failed) and not answered:
-            raise failed[0]  # type: ignore[misc]
+        if len(failed) == len(parts) and all(isinstance(e, NotSent) for e in failed):
+            raise failed[0]
         raise _in_doubt(next((e for e in failed if not isinstance(e, NotSent)), failed[0]))
     replies: list[Any] = [_UNSERVED] * count
     for indices, future in parts:
@@ -294,6 +342,9 @@ async def _assemble(
                 isinstance(reply, Exception) and not isinstance(replies[i], Exception)
             ):
                 replies[i] = reply
+    for i, reply in enumerate(replies):
+        if reply is _UNSERVED:
+            replies[i] = ResponseError(f"CLUSTERDOWN Hash slot {slots[i]} not served")
     return replies
 
 
@@ -302,6 +353,17 @@ def _in_doubt(exc: BaseException | None) -> BaseException:
     if isinstance(exc, NotSent) or exc is None:
         return RedisConnectionError(f"part of a cluster batch failed: {exc}")
     return exc
+
+
+def _chain(target: asyncio.Future[list[Any]], source: asyncio.Future[list[Any]]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:

@@ -258,7 +258,8 @@ def cluster_store(url: str, command_timeout_s: float) -> Store:
         )  # fmt: skip
         return _OwnedStore(aioredis.Redis.from_pool(pool), command_timeout_s)
 
-    return ClusterStore([(seed.hostname or "127.0.0.1", seed.port or 6379)], node)
+    seeds = [(seed.hostname or "127.0.0.1", seed.port or 6379)]
+    return ClusterStore(seeds, node, patience_s=command_timeout_s)
 
 
 class _OwnedStore(RedisPyStore):
