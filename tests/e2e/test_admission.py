@@ -16,11 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
+from routing.store import connect
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest
+from tests.redis_cluster import RedisCluster
 
 KEY = "sk-adm-acme"
 KEY_ONE = "sk-adm-one"  # an account allowed one request in flight
@@ -34,11 +35,12 @@ class Admissions:
     wide: procs.Proc
     config: str
     tmp: Path
+    redis_url: str  # the run's Redis, or a node of the run's Redis Cluster
 
 
-def admission_config(narrow: procs.Proc, wide: procs.Proc) -> str:
+def admission_config(narrow: procs.Proc, wide: procs.Proc, redis_url: str) -> str:
     return f"""
-redis: {{url: "{REDIS_URL}", lease_ttl_s: {LEASE_TTL_S}}}
+redis: {{url: "{redis_url}", lease_ttl_s: {LEASE_TTL_S}}}
 tiers:
   default: {{queue_timeout_s: 20}}
   priority: {{queue_timeout_s: 20}}
@@ -62,8 +64,21 @@ keys:
 """
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Admissions]:
+# Every test runs on a single Redis and on a 3-master Redis Cluster (the gateway is given
+# one node's address and finds the others), the models and accounts spread over its nodes.
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Admissions]:
+    redis_url = REDIS_URL
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        nodes = {n: cluster.node_of("{" + n + "}").port for n in ("cap2", "cap5", "q1")}
+        assert len(set(nodes.values())) == 3, nodes
+        assert cluster.node_of("{adm-one}").port != nodes["cap2"]
+        assert cluster.node_of("{adm-acme}").port != nodes["cap5"]
+        redis_url = cluster.url
     tmp = tmp_path_factory.mktemp("admission")
     started: list[procs.Proc] = []
     try:
@@ -76,10 +91,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Admissions]:
             tmp, "--max-seqs", "16", "--ttft-ms", "0", "--itl-ms", "10", "--tokens", "4000"
         )
         started.append(wide)
-        config = admission_config(narrow, wide)
+        config = admission_config(narrow, wide, redis_url)
         replicas = [procs.gateway(tmp, config) for _ in range(2)]
         started += replicas
-        yield Admissions(replicas, narrow, wide, config, tmp)
+        yield Admissions(replicas, narrow, wide, config, tmp, redis_url)
     finally:
         for proc in started:
             proc.stop()
@@ -110,8 +125,8 @@ async def post(url: str, payload: dict[str, Any], key: str = KEY) -> httpx.Respo
         return await client.post("/v1/completions", json=payload, headers=auth(key))
 
 
-async def queued(model: str) -> int:
-    client = aioredis.Redis.from_url(REDIS_URL)
+async def queued(redis_url: str, model: str) -> int:
+    client = connect(redis_url, command_timeout_s=5.0)
     try:
         return int(await client.zcard("gw:{" + model + "}:queue"))
     finally:
@@ -136,7 +151,7 @@ async def test_fail_fast_is_429_and_a_waiter_is_served_when_a_slot_frees(fleet: 
             assert busy.json()["error"]["type"] == "rate_limit_error"
             assert int(busy.headers["retry-after"]) >= 1
             waiter = asyncio.create_task(post(b, body("cap2")))
-            await until(lambda: _queued_is(("cap2", 1)), "the waiter to queue")
+            await until(lambda: _queued_is(fleet.redis_url, ("cap2", 1)), "the waiter to queue")
             assert not waiter.done()
             # The fleet-wide gauges come from Redis: any replica shows them after its sweep.
             await until(lambda: _gauges_show(a, inflight=2, queued=1), "gauges to show it")
@@ -154,8 +169,8 @@ async def _gauges_show(url: str, *, inflight: int, queued: int) -> bool:
     )
 
 
-async def _queued_is(expect: tuple[str, int]) -> bool:
-    return await queued(expect[0]) == expect[1]
+async def _queued_is(redis_url: str, expect: tuple[str, int]) -> bool:
+    return await queued(redis_url, expect[0]) == expect[1]
 
 
 async def test_fallback_to_a_free_model(fleet: Admissions) -> None:
@@ -174,9 +189,9 @@ async def test_priority_waiter_goes_before_an_earlier_default_one(fleet: Admissi
     async with held(a, "cap2"):
         async with held(b, "cap2"):
             default = asyncio.create_task(post(a, body("cap2")))
-            await until(lambda: _queued_is(("cap2", 1)), "the default waiter")
+            await until(lambda: _queued_is(fleet.redis_url, ("cap2", 1)), "the default waiter")
             priority = asyncio.create_task(post(b, body("cap2", service_tier="priority")))
-            await until(lambda: _queued_is(("cap2", 2)), "the priority waiter")
+            await until(lambda: _queued_is(fleet.redis_url, ("cap2", 2)), "the priority waiter")
         # One slot freed: it goes to the priority waiter, the default one still waits.
         served = await asyncio.wait_for(priority, 20)
         assert served.status_code == 200 and served.json()["service_tier"] == "priority"
@@ -199,7 +214,7 @@ async def test_queue_full_and_queue_timeout(fleet: Admissions) -> None:
     a, b = (r.url for r in fleet.replicas)
     async with held(a, "q1"):
         waiter = asyncio.create_task(post(b, body("q1")))
-        await until(lambda: _queued_is(("q1", 1)), "the first waiter")
+        await until(lambda: _queued_is(fleet.redis_url, ("q1", 1)), "the first waiter")
         full = await post(a, body("q1"))
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
         waiter.cancel()

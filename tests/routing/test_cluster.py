@@ -5,7 +5,8 @@ ASK followed, a failed part failing the batch; and the detection in routing/stor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -17,9 +18,17 @@ from redis.exceptions import DataError, ResponseError
 from routing.cluster import ANY, EVERY, ClusterStore, redirect_of, slot_of
 from routing.resp import Command, NotSent, RespClient
 from routing.scripts import Scripts
-from routing.store import Store, connect, is_cluster, probe, script_store, subscriber
+from routing.store import (
+    Store,
+    connect,
+    is_cluster,
+    probe,
+    script_store,
+    start_problem,
+    subscriber,
+)
 from tests.conftest import REDIS_URL
-from tests.redis_cluster import RedisCluster
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 
 T = TypeVar("T")
@@ -291,4 +300,29 @@ async def test_wake_ups_published_on_any_node_reach_the_subscriber(
     finally:
         await pubsub.aclose()
         await listener.aclose()
+        await client.aclose()
+
+
+@pytest.fixture
+def private_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A cluster of this test alone, to kill a node of."""
+    cluster = start_cluster(tmp_path / "cluster")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_the_probe_fails_while_a_master_is_down(private_cluster: RedisCluster) -> None:
+    """A gateway pointed at a live node still cannot serve the models whose slots live on
+    a dead one: /readyz and the start say so, not only the requests."""
+    client = connect(private_cluster.url, command_timeout_s=1.0)
+    try:
+        assert await bounded(probe(client, 2.0)) is None
+        private_cluster.nodes[2].kill()
+        cause = await bounded(probe(client, 2.0))
+        assert cause is not None and cause.kind in ("unreachable", "timeout"), cause
+        assert not cause.misconfigured  # an outage: `gateway serve` starts and waits
+        assert await asyncio.to_thread(start_problem, private_cluster.url, 1.0) is None
+    finally:
         await client.aclose()
