@@ -17,9 +17,11 @@ means the command ran, so resending never runs one twice; a few redirects at mos
 redirect reply stays in place as the command's error. `SCRIPT` commands go to every master
 (each node has its own script cache); keyless ones (`TIME`) to any one.
 
-A part that fails as a whole (a node lost or stalled) fails the whole batch, so the caller
-treats every call of it as in doubt (routing/handback.py) - except when no part was sent
-at all (`NotSent`: nothing to undo).
+A part that fails as a whole after it left (a node lost or stalled mid-call) fails the
+whole batch, so the caller treats every call of it as in doubt (routing/handback.py). A
+part that never left (`NotSent`: its node refused the connection) did nothing: its commands
+get that error as their replies, in place, and the caller gives back what the other parts
+took, as after any error reply; when no part left, the batch fails as `NotSent`.
 """
 
 from __future__ import annotations
@@ -220,8 +222,8 @@ class ClusterStore:
         self, commands: Sequence[Command], replies: list[Any], redirected: list[int]
     ) -> None:
         """Resend the redirected commands where their replies say, all at once; their new
-        replies replace the redirects in `replies`. A part that fails fails the batch (other
-        commands of it ran already: never `NotSent`)."""
+        replies replace the redirects in `replies`. A part that never left answers its
+        commands with `NotSent`; one that may have run fails the batch, in doubt."""
         by_node: dict[Node, list[Command]] = {}
         order: dict[Node, list[tuple[int, bool]]] = {}  # (index, whether ASKING precedes)
         for i in redirected:
@@ -242,7 +244,11 @@ class ClusterStore:
         if futures:
             await asyncio.wait(futures.values())
         for node, future in futures.items():
-            if (exc := future.exception()) is not None:
+            if isinstance(exc := future.exception(), NotSent):  # never left: did nothing
+                for i, _ in order[node]:
+                    replies[i] = exc
+                continue
+            if exc is not None:
                 raise _in_doubt(exc)
             answered, at = future.result(), 0
             for i, asking in order[node]:
@@ -329,15 +335,20 @@ def _assemble(
 ) -> list[Any]:
     """The parts' replies (all done) in the batch's order; a command sent to every master:
     the first error among them, else the first reply; one no master serves: CLUSTERDOWN.
-    A part that failed fails the batch."""
+    A part that never left (`NotSent`: that node is down) gives its commands that error in
+    place, as error replies (they did nothing); a part that may have run fails the batch,
+    in doubt; all parts unsent fail it as `NotSent`."""
     failed = [e for _, f in parts if (e := f.exception()) is not None]
     if failed:
         if len(failed) == len(parts) and all(isinstance(e, NotSent) for e in failed):
             raise failed[0]
-        raise _in_doubt(next((e for e in failed if not isinstance(e, NotSent)), failed[0]))
+        if doubt := next((e for e in failed if not isinstance(e, NotSent)), None):
+            raise _in_doubt(doubt)
     replies: list[Any] = [_UNSERVED] * count
     for indices, future in parts:
-        for i, reply in zip(indices, future.result(), strict=True):
+        exc = future.exception()
+        answered = [exc] * len(indices) if exc is not None else future.result()
+        for i, reply in zip(indices, answered, strict=True):
             if replies[i] is _UNSERVED or (
                 isinstance(reply, Exception) and not isinstance(replies[i], Exception)
             ):

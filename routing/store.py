@@ -309,14 +309,23 @@ async def probe_cluster(
     try:
         async with asyncio.timeout(timeout_s):
             await client.initialize()
+            # Every node's answer, even after one failed: none is left holding a connection.
             causes = await asyncio.gather(
-                *(_probe_node(client, n, scripts) for n in client.get_primaries())
+                *(_probe_node(client, n, scripts) for n in client.get_primaries()),
+                return_exceptions=True,
             )
     except TimeoutError:
         return Cause("timeout", f"redis: no answer within {timeout_s or 0:g} s")
     except (RedisError, OSError) as exc:
         return cause_of(exc)
-    return next((c for c in causes if c is not None), None)
+    for cause in causes:
+        if isinstance(cause, (RedisError, OSError)):
+            return cause_of(cause)
+        if isinstance(cause, BaseException):
+            raise cause
+        if cause is not None:
+            return cause
+    return None
 
 
 async def _probe_node(client: RedisCluster, node: Any, scripts: bool) -> Cause | None:

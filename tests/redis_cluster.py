@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -51,16 +52,17 @@ def _redis_cli() -> str:
 class RedisCluster:
     """Three masters on 127.0.0.1, the 16384 slots split evenly by `redis-cli`."""
 
-    def __init__(self, directory: Path, masters: int = MASTERS) -> None:
+    def __init__(self, directory: Path, masters: int = MASTERS, extra: Sequence[str] = ()) -> None:
         self.dir = directory
         self.nodes: list[RedisServer] = []
         self.masters = masters
+        self.extra = list(extra)
 
     def _node(self) -> RedisServer:
         port = cluster_port()
         conf = self.dir / f"nodes-{port}.conf"
         extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(conf),
-                 "--cluster-node-timeout", "5000"]  # fmt: skip
+                 "--cluster-node-timeout", "5000", *self.extra]  # fmt: skip
         return RedisServer(self.dir, port=port, extra=extra)
 
     def start(self) -> RedisCluster:
@@ -167,7 +169,8 @@ class RedisCluster:
             node.stop()
 
 
-def start_cluster(directory: Path) -> RedisCluster:
-    """A started cluster under `directory` (created), or RuntimeError with why not."""
+def start_cluster(directory: Path, extra: Sequence[str] = ()) -> RedisCluster:
+    """A started cluster under `directory` (created), or RuntimeError with why not; `extra`:
+    more arguments for every node."""
     directory.mkdir(parents=True, exist_ok=True)
-    return RedisCluster(directory).start()
+    return RedisCluster(directory, extra=extra).start()

@@ -1,7 +1,7 @@
-"""A Redis Cluster resharded under traffic: the slot of a model and the slot of the usage
-stream move to other masters while two replicas admit and release. Nothing is lost: no
-slot leaked, no usage record missing or doubled, no model over its capacity, no request
-refused for want of Redis."""
+"""A Redis Cluster under faults: resharded under traffic (the slot of a model and the slot
+of the usage stream move to other masters while two replicas admit and release: no slot
+leaked, no usage record missing or doubled, no model over its capacity, no request refused
+for want of Redis), and a master down then back empty (its models only are an outage)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from collections import Counter
 from pathlib import Path
 from typing import cast
 
+import pytest
+
 from gateway.settings import parse_config
 from routing.cluster import ClusterStore
-from routing.errors import Limited
+from routing.errors import Limited, Unavailable
 from routing.ledger import UsageSettings, UsageSpool
 from routing.registry import Registry
 from routing.store import connect
 from tests.factories import usage_record
-from tests.redis_cluster import RedisCluster
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
-from tests.routing.test_admission import CONFIG, Fleet, bounded, riding
+from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, riding
 from tiers.policy import Tier
 
 REQUESTS = 160
@@ -108,3 +110,31 @@ async def _traffic_while_moving(
     tasks = [asyncio.create_task(request(i)) for i in range(REQUESTS)]
     await bounded(asyncio.gather(move(), *tasks), 30)
     return recorded, outcomes
+
+
+async def test_a_master_down_is_an_outage_of_its_models_only(tmp_path: Path) -> None:
+    # Partial coverage, as a Cluster that should serve what it can is run: the live masters
+    # keep serving however long the dead one stays away (no timing in this test).
+    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
+    config = parse_config(CONFIG, "t.yaml")
+    inspect = connect(cluster.url, command_timeout_s=2.0)
+    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
+    try:
+        down = cluster.node_of("{five}")
+        assert cluster.node_of("{two}") is not down and cluster.node_of("{t-acme}") is not down
+        adm = await fleet.admission()
+        down.kill()
+        lease = (await admit(adm, fleet.plan("two"))).lease  # another master: served
+        with pytest.raises(Unavailable):
+            await admit(adm, fleet.plan("five"))
+        await bounded(adm.release(lease))
+        down.restart_empty()  # back, knowing its slots, without data or scripts
+        await asyncio.to_thread(cluster.wait_ok)
+        lease = (await admit(adm, fleet.plan("five"))).lease
+        await bounded(adm.release(lease))
+        await fleet.close()
+        await fleet.assert_clean()
+    finally:
+        await fleet.close()
+        await inspect.aclose()
+        cluster.stop()
