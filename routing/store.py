@@ -234,9 +234,19 @@ def _node_url(url: str, host: str, port: int) -> str:
     return urlunparse(parsed._replace(netloc=netloc, path=""))
 
 
+class _ClosingCluster(RedisCluster):
+    """redis-py's Cluster client, closed for good: its own `aclose` skips the nodes once a
+    failed call marked it for re-initialization (a node down), leaving their sockets open."""
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.nodes_manager.aclose()
+        await self.nodes_manager.aclose("startup_nodes")
+
+
 def cluster_client(url: str, command_timeout_s: float) -> aioredis.Redis:
     """redis-py's Cluster client, for everything but the scripts (keys, export, probes)."""
-    client = RedisCluster.from_url(
+    client = _ClosingCluster.from_url(
         _without_db(url), max_connections=MAX_CONNECTIONS,
         **_options(socket_timeout=command_timeout_s),
     )  # fmt: skip

@@ -50,28 +50,39 @@ def _redis_cli() -> str:
 
 
 class RedisCluster:
-    """Three masters on 127.0.0.1, the 16384 slots split evenly by `redis-cli`."""
+    """Three masters on 127.0.0.1, the 16384 slots split evenly by `redis-cli`. `tls`: a
+    certificate and its key (e.g. `self_signed`) to serve TLS only, the bus included."""
 
-    def __init__(self, directory: Path, masters: int = MASTERS, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        masters: int = MASTERS,
+        extra: Sequence[str] = (),
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         self.dir = directory
         self.nodes: list[RedisServer] = []
         self.masters = masters
         self.extra = list(extra)
+        self.tls = tls
 
     def _node(self) -> RedisServer:
         port = cluster_port()
         conf = self.dir / f"nodes-{port}.conf"
         extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(conf),
                  "--cluster-node-timeout", "5000", *self.extra]  # fmt: skip
-        return RedisServer(self.dir, port=port, extra=extra)
+        if self.tls is not None:
+            extra += ["--tls-cluster", "yes", "--tls-ca-cert-file", str(self.tls[0])]
+        return RedisServer(self.dir, port=port, extra=extra, tls=self.tls)
 
     def start(self) -> RedisCluster:
         try:
             for _ in range(self.masters):
                 self.nodes.append(self._node().start())
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            tls = ["--tls", "--cacert", str(self.tls[0])] if self.tls else []
             subprocess.run(
-                [_redis_cli(), "--cluster", "create", *addresses,
+                [_redis_cli(), *tls, "--cluster", "create", *addresses,
                  "--cluster-replicas", "0", "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
@@ -97,17 +108,19 @@ class RedisCluster:
             known = len(client.cluster("NODES"))
         return info.get("cluster_state") == "ok" and known == len(self.nodes)
 
-    @staticmethod
-    def client(node: RedisServer) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0)
+    def client(self, node: RedisServer) -> redis.Redis:
+        """A plain (not Cluster) client of one node."""
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls[0])} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0, **tls)
 
     @property
     def url(self) -> str:
         """The address of one node: what a gateway is given."""
-        return self.nodes[0].url.removesuffix("/0")
+        return self.urls()[0]
 
     def urls(self) -> list[str]:
-        return [n.url.removesuffix("/0") for n in self.nodes]
+        query = f"?ssl_ca_certs={self.tls[0]}" if self.tls else ""
+        return [n.url.removesuffix("/0") + query for n in self.nodes]
 
     def node_of(self, key: str) -> RedisServer:
         """The node serving `key`'s hash slot now."""
@@ -169,8 +182,10 @@ class RedisCluster:
             node.stop()
 
 
-def start_cluster(directory: Path, extra: Sequence[str] = ()) -> RedisCluster:
+def start_cluster(
+    directory: Path, extra: Sequence[str] = (), tls: tuple[Path, Path] | None = None
+) -> RedisCluster:
     """A started cluster under `directory` (created), or RuntimeError with why not; `extra`:
     more arguments for every node."""
     directory.mkdir(parents=True, exist_ok=True)
-    return RedisCluster(directory, extra=extra).start()
+    return RedisCluster(directory, extra=extra, tls=tls).start()

@@ -29,7 +29,7 @@ from routing.store import (
 )
 from tests.conftest import REDIS_URL
 from tests.redis_cluster import RedisCluster, start_cluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, self_signed
 
 T = TypeVar("T")
 
@@ -338,3 +338,22 @@ async def test_the_probe_fails_while_a_master_is_down(private_cluster: RedisClus
         assert await asyncio.to_thread(start_problem, private_cluster.url, 1.0) is None
     finally:
         await client.aclose()
+
+
+async def test_a_tls_cluster_runs_scripts_through_redis_py_per_node(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path / "tls", tls=self_signed(tmp_path))
+    url = cluster.urls()[1]  # rediss://...?ssl_ca_certs=...
+    client = connect(url, command_timeout_s=2.0)
+    store = script_store(url, client, 2.0)
+    try:
+        assert isinstance(client, AsyncRedisCluster) and isinstance(store, ClusterStore)
+        scripts = Scripts()
+        await bounded(scripts.load(store))
+        tags = tags_on_each_node(cluster, "tls")
+        calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
+        assert await bounded(scripts.send(store, calls)) == [1, 1, 1]
+        assert await bounded(probe(client, 3.0)) is None
+    finally:
+        await store.aclose()
+        await client.aclose()
+        cluster.stop()
