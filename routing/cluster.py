@@ -27,6 +27,7 @@ took, as after any error reply; when no part left, the batch fails as `NotSent`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections import Counter
@@ -65,8 +66,10 @@ def _name(command: Command) -> str:
     return (name.decode() if isinstance(name, bytes) else str(name)).upper()
 
 
-def _encoded(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
+@functools.lru_cache(maxsize=65536)
+def _key_slot(key: Any) -> int:
+    # A gateway names few keys (its models', accounts', usage's): CRC16 once per name.
+    return key_slot(key if isinstance(key, bytes) else str(key).encode())
 
 
 def slot_of(command: Command) -> int:
@@ -74,12 +77,12 @@ def slot_of(command: Command) -> int:
     name = _name(command)
     if name in _SCRIPTED:
         numkeys = int(command[2])
-        return key_slot(_encoded(command[3])) if numkeys > 0 else ANY
+        return _key_slot(command[3]) if numkeys > 0 else ANY
     if name in ("SCRIPT", "FUNCTION"):
         return EVERY
     if name in _KEYLESS or len(command) < 2:
         return ANY
-    return key_slot(_encoded(command[1]))
+    return _key_slot(command[1])
 
 
 def redirect_of(reply: Any) -> tuple[str, int, Node | None] | None:
@@ -133,14 +136,19 @@ class ClusterStore:
         loop = asyncio.get_running_loop()
         outer: asyncio.Future[list[Any]] = loop.create_future()
         try:
-            _check_encodable(commands)
             slots = [slot_of(c) for c in commands]
+            mapped = self._masters and all(s < 0 or self._slots[s] for s in slots)
+            # The hot path: written in this tick, no task unless a reply redirects.
+            if mapped and (node := self._one_node(slots)) is not None:  # no split
+                sent = self.node(node).send(commands)  # its own DataError if need be
+                sent.add_done_callback(partial(self._settle_one, commands, outer))
+                return outer
+            _check_encodable(commands)  # a split batch leaves whole or not at all
         except UnicodeError as exc:
             outer.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
             return outer
-        if not self._masters or any(s >= 0 and self._slots[s] is None for s in slots):
+        if not mapped:
             return self._task(self._send_mapped(commands, slots))
-        # The hot path: every part written in this tick, no task unless a reply redirects.
         parts = self._dispatch(commands, slots)
         left = len(parts)
 
@@ -155,6 +163,34 @@ class ClusterStore:
         if not parts:
             outer.set_result([])
         return outer
+
+    def _one_node(self, slots: list[int]) -> Node | None:
+        """The master every command goes to, when that is one master."""
+        found: Node | None = None
+        for slot in slots:
+            if slot == EVERY:
+                return None
+            if slot >= 0:
+                node = self._slots[slot]
+                if found is not None and node != found:
+                    return None
+                found = node
+        return found or self._masters[0]
+
+    def _settle_one(
+        self, commands: Sequence[Command], outer: asyncio.Future[list[Any]], sent: Any
+    ) -> None:
+        if outer.done():  # cancelled by whoever awaited it: the batch ran all the same
+            return
+        if sent.cancelled():
+            outer.cancel()
+        elif (exc := sent.exception()) is not None:
+            outer.set_exception(exc)  # one node: whatever it means, as on a single Redis
+        elif not any(redirect_of(r) is not None for r in sent.result()):
+            outer.set_result(sent.result())
+        else:
+            redirected = self._task(self._follow_all(commands, list(sent.result())))
+            redirected.add_done_callback(partial(_chain, outer))
 
     def _settle(
         self,

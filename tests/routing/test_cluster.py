@@ -151,6 +151,9 @@ async def test_a_moved_slot_is_followed_and_learned(
         assert direct_get(target, key) == b"a"
         await bounded(store.refresh())
         assert store.node_of_slot(slot) == ("127.0.0.1", target.port)
+        # Once more, for a batch that goes to one node whole (no split).
+        empty_cluster.move_slot(slot, empty_cluster.nodes[1])
+        assert await bounded(store.send([["GET", key], ["SET", key, "b"]])) == [b"a", b"OK"]
     finally:
         empty_cluster.move_slot(slot, source)
 
