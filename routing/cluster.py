@@ -310,16 +310,16 @@ class ClusterStore:
             store = self._nodes[node] = self._connect(*node)
         return store
 
-    def _refresh_soon(self) -> None:
+    def _refresh_soon(self) -> asyncio.Task[None]:
+        """One `CLUSTER SLOTS` in flight at a time; its failure is logged, not raised."""
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._refresh())
             self._refreshing.add_done_callback(_quiet)
+        return self._refreshing
 
     async def refresh(self) -> None:
-        """Learn the slot map now (one `CLUSTER SLOTS` in flight at a time)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self._refresh())
-        await asyncio.shield(self._refreshing)
+        """Learn the slot map now."""
+        await asyncio.shield(self._refresh_soon())
 
     async def _refresh(self) -> None:
         last: Exception = RedisConnectionError("no cluster node known")
