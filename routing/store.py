@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import redis
 import redis.asyncio as aioredis
@@ -222,16 +222,19 @@ def is_cluster(url: str, command_timeout_s: float) -> bool:
 
 
 def _without_db(url: str) -> str:
-    # A Cluster has db 0 only: a single Redis's db in the URL would fail the question.
-    return urlunparse(urlparse(url)._replace(path=""))
+    # A Cluster has db 0 only: a single Redis's db in the URL (its path, or a `?db=` query)
+    # would fail the question.
+    parsed = urlparse(url)
+    query = urlencode([(k, v) for k, v in parse_qsl(parsed.query) if k != "db"])
+    return urlunparse(parsed._replace(path="", query=query))
 
 
 def _node_url(url: str, host: str, port: int) -> str:
     """`url` (its password, TLS options) for another node of the same Cluster."""
-    parsed = urlparse(url)
+    parsed = urlparse(_without_db(url))
     auth = parsed.netloc.rpartition("@")[0]
     netloc = f"{auth}@{host}:{port}" if auth else f"{host}:{port}"
-    return urlunparse(parsed._replace(netloc=netloc, path=""))
+    return urlunparse(parsed._replace(netloc=netloc))
 
 
 class _ClosingCluster(RedisCluster):

@@ -20,6 +20,8 @@ from routing.resp import Command, NotSent, RespClient
 from routing.scripts import Scripts
 from routing.store import (
     Store,
+    _node_url,
+    _without_db,
     connect,
     is_cluster,
     probe,
@@ -360,3 +362,10 @@ async def test_a_tls_cluster_runs_scripts_through_redis_py_per_node(tmp_path: Pa
         await store.aclose()
         await client.aclose()
         cluster.stop()
+
+
+def test_a_database_in_the_url_is_left_out_on_a_cluster() -> None:
+    assert _node_url("redis://u:p%40ss@h:1/3?db=4&ssl_ca_certs=/c.pem", "n", 2) == (
+        "redis://u:p%40ss@n:2?ssl_ca_certs=%2Fc.pem"
+    )
+    assert _without_db("rediss://h:1/0") == "rediss://h:1"
