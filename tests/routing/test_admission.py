@@ -101,6 +101,7 @@ class Fleet:
     # "cluster": a 3-master Redis Cluster (`redis` is then redis-py's cluster client).
     store: str = "resp"
     cluster: RedisCluster | None = None
+    url: str = ""  # the address a cluster's replicas are given (default: its first node's)
     _admissions: list[Admission] = field(default_factory=list)
     _keepers: list[Keeper] = field(default_factory=list)
     _clients: list[aioredis.Redis] = field(default_factory=list)
@@ -123,7 +124,7 @@ class Fleet:
         """A replica on the run's Redis, on a dead one (`redis` given), or on `url`."""
         if self.cluster is not None:
             assert url is None and redis is None, "a dead or private store is a single Redis"
-            cluster_store = script_store(self.cluster.url, self.redis, 2.0)
+            cluster_store = script_store(self.url or self.cluster.url, self.redis, 2.0)
             return await self._started(cluster_store, on_outage, spool)
         if url is not None:
             client = self.client(url, socket_connect_timeout=0.5, socket_timeout=0.5)
@@ -151,7 +152,7 @@ class Fleet:
     ) -> Keeper:
         """A keeper; listening means its subscription is confirmed by Redis when this returns."""
         if self.cluster is not None:
-            client = subscriber(self.cluster.url, self.redis)
+            client = subscriber(self.url or self.cluster.url, self.redis)
             self._clients.append(client)
         else:
             client = self.client(socket_timeout=None)

@@ -1,12 +1,14 @@
 """A Redis Cluster under faults: resharded under traffic (the slot of a model and the slot
 of the usage stream move to other masters while two replicas admit and release: no slot
 leaked, no usage record missing or doubled, no model over its capacity, no request refused
-for want of Redis), and a master down then back empty (its models only are an outage)."""
+for want of Redis), a master down then back empty (its models only are an outage), and an
+ACL user with only the documented permissions."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections import Counter
 from pathlib import Path
 from typing import cast
@@ -18,7 +20,7 @@ from routing.cluster import ClusterStore
 from routing.errors import Limited, Unavailable
 from routing.ledger import UsageSettings, UsageSpool
 from routing.registry import Registry
-from routing.store import connect
+from routing.store import connect, probe
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
@@ -138,3 +140,43 @@ async def test_a_master_down_is_an_outage_of_its_models_only(tmp_path: Path) -> 
         await fleet.close()
         await inspect.aclose()
         cluster.stop()
+
+
+# What a Cluster asks of an ACL user besides docs/redis.md's rule (docs/config.md says so).
+CLUSTER_ACL = "+info +cluster|info +cluster|slots +command"
+REDIS_DOC = (Path(__file__).resolve().parents[2] / "docs" / "redis.md").read_text("utf-8")
+
+
+async def test_the_documented_acl_is_all_a_cluster_needs(
+    empty_cluster: RedisCluster, tmp_path: Path
+) -> None:
+    assert CLUSTER_ACL in REDIS_DOC.replace("\n", " ")
+    (rule,) = re.findall(r"^ACL SETUSER gateway (.+)$", REDIS_DOC, re.M)
+    words = [w.replace("PASSWORD", "t-pw") for w in rule.split()] + CLUSTER_ACL.split()
+    for node in empty_cluster.nodes:
+        with empty_cluster.client(node) as admin:
+            admin.execute_command("ACL", "SETUSER", "gateway", *words)
+            admin.execute_command("ACL", "LOG", "RESET")
+    url = f"redis://gateway:t-pw@127.0.0.1:{empty_cluster.nodes[0].port}"
+    inspect = connect(url, command_timeout_s=2.0)
+    config = parse_config(CONFIG, "t.yaml")
+    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=empty_cluster)
+    fleet.url = url
+    try:
+        spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), url)
+        adm = await fleet.admission(spool=spool)
+        keeper = await fleet.keeper(adm)
+        admitted = await admit(adm, fleet.plan("two", "five"))
+        await bounded(adm.release(admitted.lease, usage_record(request_id="t-acl").to_fields()))
+        await bounded(keeper.sweep_once())
+        assert await bounded(probe(inspect, 3.0)) is None
+        assert len(await inspect.xrange("usage")) == 1
+        assert spool.size_bytes() == 0
+    finally:
+        await fleet.close()
+        await inspect.aclose()
+        for node in empty_cluster.nodes:
+            with empty_cluster.client(node) as admin:
+                denied = admin.execute_command("ACL", "LOG")
+                admin.execute_command("ACL", "DELUSER", "gateway")
+            assert denied == [], denied
