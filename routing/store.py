@@ -5,6 +5,7 @@ asks the store whether the gateway can use it (at start and on /readyz)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
@@ -21,6 +22,8 @@ from routing.cluster import ClusterStore
 from routing.resp import RespClient
 from routing.storeerrors import Cause, cause_of
 from routing.wire import Command, keepalive_options
+
+log = logging.getLogger("gateway.store")
 
 # redis-py connections per process. The hot path of redis:// and unix:// needs none (one
 # pipelining connection); rediss:// runs admission through this pool, and a call finding all
@@ -217,7 +220,11 @@ def is_cluster(url: str, command_timeout_s: float) -> bool:
     try:
         with redis.Redis.from_url(_without_db(url), **options) as client:
             return int(client.info("cluster").get("cluster_enabled", 0)) == 1
-    except (RedisError, OSError, ValueError):
+    except (RedisError, OSError, ValueError) as exc:  # NOPERM (no INFO): a single Redis
+        if (cause := cause_of(exc)).kind in ("unreachable", "timeout"):
+            # Were it a Cluster, this process would miss its other nodes until restarted.
+            log.warning("redis: taken for a single Redis, not asked whether it is a "
+                        "Cluster (%s)", cause.text)  # fmt: skip
         return False
 
 

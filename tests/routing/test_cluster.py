@@ -270,11 +270,14 @@ async def test_an_unreachable_cluster_is_not_sent() -> None:
 # --- detection (routing/store.py) ------------------------------------------------------------
 
 
-async def test_a_cluster_is_detected_from_any_node(empty_cluster: RedisCluster) -> None:
+async def test_a_cluster_is_detected_from_any_node(
+    empty_cluster: RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     for url in empty_cluster.urls():
         assert is_cluster(url, 1.0)
     assert not is_cluster(REDIS_URL, 1.0)
     assert not is_cluster("redis://127.0.0.1:1", 1.0)  # unreachable: as a single Redis
+    assert "taken for a single Redis, not asked whether" in caplog.text  # and said so
     url = empty_cluster.urls()[2]
     client = connect(url, command_timeout_s=1.0)
     store = script_store(url, client, 1.0)
