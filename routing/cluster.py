@@ -1,27 +1,22 @@
 """The `Store` (routing/store.py) over a Redis Cluster: one client per master, each command
 sent to the master of its first key's hash slot.
 
-Every admission script touches the keys of one hash tag only (`gw:{model}:...`,
-`gw:acct:{account}`, `{usage}`), so a script runs whole on one node; a batch mixes calls of
-different tags (an account's call and a model's in one round trip), so a batch is split per
-node, the parts leave at once (one round trip of latency, not one per node), and the
-replies are put back in the batch's order.
+Every admission script touches one hash tag only (`gw:{model}:...`, `gw:acct:{account}`,
+`{usage}`), so it runs whole on one node. A batch for one master goes to it as it is; one
+mixing tags of several masters is split, the parts leave at once (one round trip of
+latency) and the replies are put back in the batch's order. `SCRIPT` commands go to every
+master (each has its own script cache), keyless ones (`TIME`) to any.
 
-The slot map comes from `CLUSTER SLOTS`, asked of any node known (the address given first).
-A `MOVED` reply (the slot has another master now) updates that slot at once, refreshes the
-whole map in the background and resends the command to the new master; an `ASK` reply (the
-slot is being migrated and this key is already on the target) resends `ASKING` and the
-command to the target, on the same connection; `TRYAGAIN` (a script whose keys are split
-between the two nodes mid-migration) is resent after a short pause. None of these replies
-means the command ran, so resending never runs one twice; a few redirects at most, then the
-redirect reply stays in place as the command's error. `SCRIPT` commands go to every master
-(each node has its own script cache); keyless ones (`TIME`) to any one.
+The slot map comes from `CLUSTER SLOTS`. `MOVED` (the slot has another master) updates the
+slot, refreshes the map in the background and resends there; `ASK` (the slot is migrating
+and the key is on the target already) resends `ASKING` and the command to the target on one
+connection; `TRYAGAIN` (a script's keys split mid-migration) is resent after a pause. None
+of them means the command ran, so a resend never runs one twice.
 
-A part that fails as a whole after it left (a node lost or stalled mid-call) fails the
-whole batch, so the caller treats every call of it as in doubt (routing/handback.py). A
-part that never left (`NotSent`: its node refused the connection) did nothing: its commands
-get that error as their replies, in place, and the caller gives back what the other parts
-took, as after any error reply; when no part left, the batch fails as `NotSent`.
+A part that fails after it left (a node lost or stalled) fails the whole batch, in doubt for
+the callers (routing/handback.py). A part that never left (`NotSent`) did nothing: its
+commands get that error in place, and the callers give back what the other parts took; when
+no part left, the batch fails as `NotSent`.
 """
 
 from __future__ import annotations
@@ -52,9 +47,8 @@ ANY = -1  # a keyless command: any master answers it
 EVERY = -2  # a SCRIPT command: every master must run it
 _SCRIPTED = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"})
 _KEYLESS = frozenset({"TIME", "PING", "ECHO", "INFO", "ROLE", "CLUSTER", "ASKING"})
-# Redirects one command may follow before its redirect reply stays as its error: a slot
-# moves once at a time, so more than a couple means the map is changing faster than it
-# can be followed.
+# Rounds of redirects followed at least (more while the command timeout lasts), before a
+# redirect stays as the command's error reply.
 MAX_REDIRECTS = 5
 # Between rounds of TRYAGAIN (a script whose keys are being migrated): doubling from 5 ms.
 PAUSE_S = 0.005
@@ -186,11 +180,8 @@ class ClusterStore:
             outer.cancel()
         elif (exc := sent.exception()) is not None:
             outer.set_exception(exc)  # one node: whatever it means, as on a single Redis
-        elif not any(redirect_of(r) is not None for r in sent.result()):
-            outer.set_result(sent.result())
         else:
-            redirected = self._task(self._follow_all(commands, list(sent.result())))
-            redirected.add_done_callback(partial(_chain, outer))
+            self._finish(commands, list(sent.result()), outer)
 
     def _settle(
         self,
@@ -206,6 +197,11 @@ class ClusterStore:
         except RedisError as exc:
             outer.set_exception(exc)
             return
+        self._finish(commands, replies, outer)
+
+    def _finish(
+        self, commands: Sequence[Command], replies: list[Any], outer: asyncio.Future[list[Any]]
+    ) -> None:
         if not any(redirect_of(r) is not None for r in replies):
             outer.set_result(replies)
             return
@@ -285,7 +281,7 @@ class ClusterStore:
                     replies[i] = exc
                 continue
             if exc is not None:
-                raise _in_doubt(exc)
+                raise exc  # it may have run: callers doubt the whole batch
             answered, at = future.result(), 0
             for i, asking in order[node]:
                 at += 1 if asking else 0  # ASKING's own OK
@@ -369,17 +365,15 @@ _UNSERVED = object()  # a command no master was found for
 def _assemble(
     count: int, slots: list[int], parts: list[tuple[list[int], asyncio.Future[list[Any]]]]
 ) -> list[Any]:
-    """The parts' replies (all done) in the batch's order; a command sent to every master:
-    the first error among them, else the first reply; one no master serves: CLUSTERDOWN.
-    A part that never left (`NotSent`: that node is down) gives its commands that error in
-    place, as error replies (they did nothing); a part that may have run fails the batch,
-    in doubt; all parts unsent fail it as `NotSent`."""
+    """The parts' replies (all done) in the batch's order: for a command sent to every
+    master, the first error, else the first reply; for one no master serves, CLUSTERDOWN;
+    for those of a part that never left, its `NotSent`."""
     failed = [e for _, f in parts if (e := f.exception()) is not None]
     if failed:
         if len(failed) == len(parts) and all(isinstance(e, NotSent) for e in failed):
             raise failed[0]
         if doubt := next((e for e in failed if not isinstance(e, NotSent)), None):
-            raise _in_doubt(doubt)
+            raise doubt  # it may have run: callers doubt the whole batch
     replies: list[Any] = [_UNSERVED] * count
     for indices, future in parts:
         exc = future.exception()
@@ -393,13 +387,6 @@ def _assemble(
         if reply is _UNSERVED:
             replies[i] = ResponseError(f"CLUSTERDOWN Hash slot {slots[i]} not served")
     return replies
-
-
-def _in_doubt(exc: BaseException | None) -> BaseException:
-    """A failure after other parts of the batch ran: not `NotSent`, so callers doubt it all."""
-    if isinstance(exc, NotSent) or exc is None:
-        return RedisConnectionError(f"part of a cluster batch failed: {exc}")
-    return exc
 
 
 def _chain(target: asyncio.Future[list[Any]], source: asyncio.Future[list[Any]]) -> None:
