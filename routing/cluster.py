@@ -34,6 +34,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError, ResponseError
 
+from routing.futures import chain
 from routing.resp import NotSent
 from routing.wire import Command
 
@@ -206,7 +207,7 @@ class ClusterStore:
             outer.set_result(replies)
             return
         redirected = self._task(self._follow_all(commands, replies))
-        redirected.add_done_callback(partial(_chain, outer))
+        redirected.add_done_callback(partial(chain, outer))
 
     async def _send_mapped(self, commands: Sequence[Command], slots: list[int]) -> list[Any]:
         """The first call, or one for a slot no master serves in the map known: ask the map."""
@@ -387,17 +388,6 @@ def _assemble(
         if reply is _UNSERVED:
             replies[i] = ResponseError(f"CLUSTERDOWN Hash slot {slots[i]} not served")
     return replies
-
-
-def _chain(target: asyncio.Future[list[Any]], source: asyncio.Future[list[Any]]) -> None:
-    if target.done():
-        return
-    if source.cancelled():
-        target.cancel()
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
+from routing.futures import chain
 from routing.store import Store
 
 # One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
@@ -85,9 +86,9 @@ class Scripts:
         answered = not done.cancelled() and done.exception() is None
         if answered and any(isinstance(r, NoScriptError) for r in done.result()):
             retry = asyncio.ensure_future(self._resend_missing(store, calls, done.result()))
-            retry.add_done_callback(partial(_chain, outer))
+            retry.add_done_callback(partial(chain, outer))
         else:
-            _chain(outer, done)
+            chain(outer, done)
 
     async def _resend_missing(
         self, store: Store, calls: Sequence[Call], replies: list[Any]
@@ -111,14 +112,3 @@ class Scripts:
             else:
                 commands.append(["EVALSHA", sha, len(keys), *keys, *args])
         return commands
-
-
-def _chain(target: asyncio.Future[list[Any]], source: asyncio.Future[list[Any]]) -> None:
-    if target.done():
-        return
-    if source.cancelled():
-        target.cancel()
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
