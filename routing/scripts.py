@@ -24,6 +24,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, RedisError
 
 from routing.futures import chain
+from routing.resp import NotSent
 from routing.store import Store
 
 # One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
@@ -96,8 +97,15 @@ class Scripts:
         """Redis lost its scripts (restart, failover, SCRIPT FLUSH): load them, then resend
         only the calls that did not run."""
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        await self.load(store)
-        again = await store.send(self._commands([calls[i] for i in missing]))
+        try:
+            await self.load(store)
+            again = await store.send(self._commands([calls[i] for i in missing]))
+        except NotSent as exc:
+            if len(missing) == len(calls):
+                raise
+            # The other calls ran (a Cluster: only one master lost its scripts): the resend's
+            # failure is those calls' reply in place, so the caller gives back what ran.
+            again = [exc] * len(missing)
         merged = list(replies)
         for i, reply in zip(missing, again, strict=True):
             merged[i] = reply
