@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import cast
 
 import pytest
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.settings import parse_config
 from routing.cluster import ClusterStore
 from routing.errors import Unavailable
 from routing.registry import Registry
-from routing.resp import NotSent
-from routing.store import connect
-from tests.redis_cluster import start_cluster
+from routing.resp import NotSent, RespClient
+from routing.store import cluster_store, connect
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 from tests.routing.test_admission import CONFIG, Fleet, admit, bounded
 
@@ -65,3 +68,61 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
         await fleet.close()
         await inspect.aclose()
         cluster.stop()
+
+
+def _open_links(store: ClusterStore) -> list[tuple[str, int]]:
+    """The nodes this store still holds an open connection to."""
+    return [
+        node
+        for node, client in store._nodes.items()
+        if isinstance(client, RespClient) and client._protocol and not client._protocol.closed
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True, reason="ClusterStore.aclose leaves its tasks running: they reconnect nodes"
+)
+async def test_aclose_with_a_first_call_pending_leaves_no_connection_open(
+    empty_cluster: RedisCluster,
+) -> None:
+    # The first call learns the slot map in a task; aclose() returned while it ran, and the
+    # task then connected to the nodes (and sent): connections nobody ever closes.
+    store = cast(ClusterStore, cluster_store(empty_cluster.url, 2.0))
+    pending = store.send([["SET", "{t-close}k", "1"]])
+    try:
+        await store.aclose()
+        with contextlib.suppress(RedisError, asyncio.CancelledError):
+            await bounded(pending)
+        assert _open_links(store) == [], "connections left open after aclose"
+    finally:
+        await store.aclose()  # the test's own clean-up, whatever happened
+
+
+async def test_a_stalled_master_delays_only_its_own_calls(redis_cluster: RedisCluster) -> None:
+    # Held up: with one master SIGSTOPped, a call to another is answered, one to it fails
+    # with TimeoutError within the command timeout (bounded by the test's bound), and a
+    # split batch over both fails as a whole (in doubt), never hangs.
+    cluster = redis_cluster
+    cluster.flush()
+    store = cast(ClusterStore, cluster_store(cluster.url, 1.0))
+    try:
+        stalled = cluster.node_of("{two}")
+        other = next(
+            f"t-s{i}" for i in range(1000) if cluster.node_of("{t-s" + str(i) + "}") is not stalled
+        )
+        await bounded(store.send([["SET", "{two}k", "1"], ["SET", "{" + other + "}k", "1"]]))
+        stalled.pause()
+        try:
+            stuck = store.send([["GET", "{two}k"]])
+            split = store.send([["GET", "{two}k"], ["GET", "{" + other + "}k"]])
+            assert await bounded(store.send([["GET", "{" + other + "}k"]])) == [b"1"]
+            with pytest.raises(RedisTimeoutError):
+                await bounded(stuck)
+            with pytest.raises(RedisTimeoutError):
+                await bounded(split)
+        finally:
+            stalled.resume()
+        assert await bounded(store.send([["GET", "{two}k"]])) == [b"1"]
+    finally:
+        await store.aclose()
+        cluster.flush()
