@@ -353,6 +353,10 @@ class ClusterStore:
         return task
 
     async def aclose(self) -> None:
+        # Calls on their way finish first (each bounded by the command timeout): a task
+        # left running would connect to nodes again after they were closed, for good.
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
         if self._refreshing is not None and not self._refreshing.done():
             self._refreshing.cancel()
         for store in self._nodes.values():

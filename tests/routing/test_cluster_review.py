@@ -79,9 +79,6 @@ def _open_links(store: ClusterStore) -> list[tuple[str, int]]:
     ]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="ClusterStore.aclose leaves its tasks running: they reconnect nodes"
-)
 async def test_aclose_with_a_first_call_pending_leaves_no_connection_open(
     empty_cluster: RedisCluster,
 ) -> None:
