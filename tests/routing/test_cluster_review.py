@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import cast
 
@@ -123,3 +126,85 @@ async def test_a_stalled_master_delays_only_its_own_calls(redis_cluster: RedisCl
     finally:
         await store.aclose()
         cluster.flush()
+
+
+def _add_replica(cluster: RedisCluster, master: RedisServer) -> RedisServer:
+    """A new node, a replica of `master`, in sync with it (polled: replication and gossip
+    run on the nodes' own schedule, no event reaches this process)."""
+    replica = cluster._node().start()
+    cluster.nodes.append(replica)  # stopped with the cluster
+    subprocess.run(
+        [shutil.which("redis-cli") or "redis-cli", "--cluster", "add-node",
+         f"127.0.0.1:{replica.port}", f"127.0.0.1:{master.port}", "--cluster-slave",
+         "--cluster-master-id", cluster.node_id(master)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    with cluster.client(replica) as client:
+        while client.execute_command("ROLE")[3:4] != [b"connected"]:
+            assert time.monotonic() < deadline, "the replica did not sync"
+            time.sleep(0.05)
+    return replica
+
+
+def _wait_owner(
+    cluster: RedisCluster, slot: int, owner: RedisServer, nodes: list[RedisServer]
+) -> None:
+    """Until every node of `nodes` names `owner` as the master of `slot` (gossip, polled)."""
+    deadline = time.monotonic() + 20
+    for node in nodes:
+        with cluster.client(node) as client:
+            while True:
+                owners = [
+                    m[1]
+                    for s, e, m, *_ in client.execute_command("CLUSTER SLOTS")
+                    if s <= slot <= e
+                ]
+                if owners == [owner.port]:
+                    break
+                assert time.monotonic() < deadline, "the failover did not spread"
+                time.sleep(0.05)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ClusterStore refreshes its slot map on MOVED only: a dead master is never replaced",
+)
+async def test_a_failover_to_a_replica_is_followed_once_the_old_master_is_gone(
+    tmp_path: Path,
+) -> None:
+    # docs/config.md: the gateway "follows the Cluster as slots move (resharding, failover)".
+    # A replica takes over a master's slots and the old master is gone: the store's map
+    # still names the old master, which can answer no MOVED; only a refresh of the map can
+    # find the new one, and nothing but a MOVED asked for one: its models stayed an outage
+    # for good.
+    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
+    config = parse_config(CONFIG, "t.yaml")
+    inspect = connect(cluster.url, command_timeout_s=2.0)
+    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
+    try:
+        old = cluster.node_of("{two}")
+        # The replicas are given a node that stays (the store's seed).
+        fleet.url = next(
+            u for n, u in zip(cluster.nodes, cluster.urls(), strict=True) if n is not old
+        )
+        replica = _add_replica(cluster, old)
+        adm = await fleet.admission()
+        store = cast(ClusterStore, adm.store)
+        lease = (await admit(adm, fleet.plan("two"))).lease  # the map is learnt: old master
+        await bounded(adm.release(lease))
+        with cluster.client(replica) as client:
+            client.execute_command("CLUSTER", "FAILOVER")
+        live = [n for n in cluster.nodes if n is not old]
+        await asyncio.to_thread(_wait_owner, cluster, cluster.slot("{two}"), replica, live)
+        old.kill()
+        with contextlib.suppress(Unavailable):  # the first call may meet the dead master
+            await admit(adm, fleet.plan("two"))
+        if store._refreshing is not None:  # the refresh that call asked for, if any
+            await bounded(asyncio.shield(store._refreshing))
+        lease = (await admit(adm, fleet.plan("two"))).lease
+        await bounded(adm.release(lease))
+    finally:
+        await fleet.close()
+        await inspect.aclose()
+        cluster.stop()
