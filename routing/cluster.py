@@ -147,8 +147,9 @@ class ClusterStore:
         parts = self._dispatch(commands, slots)
         left = len(parts)
 
-        def part_done(_: asyncio.Future[list[Any]]) -> None:
+        def part_done(part: asyncio.Future[list[Any]]) -> None:
             nonlocal left
+            self._check_lost(part)
             left -= 1
             if left == 0:
                 self._settle(commands, slots, parts, outer)
@@ -175,6 +176,7 @@ class ClusterStore:
     def _settle_one(
         self, commands: Sequence[Command], outer: asyncio.Future[list[Any]], sent: Any
     ) -> None:
+        self._check_lost(sent)
         if outer.done():  # cancelled by whoever awaited it: the batch ran all the same
             return
         if sent.cancelled():
@@ -183,6 +185,11 @@ class ClusterStore:
             outer.set_exception(exc)  # one node: whatever it means, as on a single Redis
         else:
             self._finish(commands, list(sent.result()), outer)
+
+    def _check_lost(self, sent: asyncio.Future[list[Any]]) -> None:
+        # An unreachable master answers no MOVED: after a failover only the map knows more.
+        if not sent.cancelled() and isinstance(sent.exception(), RedisConnectionError):
+            self._refresh_soon()
 
     def _settle(
         self,
@@ -353,8 +360,7 @@ class ClusterStore:
         return task
 
     async def aclose(self) -> None:
-        # Calls on their way finish first (each bounded by the command timeout): a task
-        # left running would connect to nodes again after they were closed, for good.
+        # Calls on their way finish first (bounded): else they connect closed nodes again.
         while self._tasks:
             await asyncio.wait(list(self._tasks))
         if self._refreshing is not None and not self._refreshing.done():

@@ -166,10 +166,6 @@ def _wait_owner(
                 time.sleep(0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ClusterStore refreshes its slot map on MOVED only: a dead master is never replaced",
-)
 async def test_a_failover_to_a_replica_is_followed_once_the_old_master_is_gone(
     tmp_path: Path,
 ) -> None:
