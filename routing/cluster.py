@@ -377,8 +377,8 @@ def _assemble(
     count: int, slots: list[int], parts: list[tuple[list[int], asyncio.Future[list[Any]]]]
 ) -> list[Any]:
     """The parts' replies (all done) in the batch's order: for a command sent to every
-    master, the first error, else the first reply; for one no master serves, CLUSTERDOWN;
-    for those of a part that never left, its `NotSent`."""
+    master, the first error (a NotSent last), else the first reply; for one no master
+    serves, CLUSTERDOWN; for those of a part that never left, its `NotSent`."""
     failed = [e for _, f in parts if (e := f.exception()) is not None]
     if failed:
         if len(failed) == len(parts) and all(isinstance(e, NotSent) for e in failed):
@@ -390,8 +390,12 @@ def _assemble(
         exc = future.exception()
         answered = [exc] * len(indices) if exc is not None else future.result()
         for i, reply in zip(indices, answered, strict=True):
-            if replies[i] is _UNSERVED or (
-                isinstance(reply, Exception) and not isinstance(replies[i], Exception)
+            have = replies[i]  # a node down (NotSent: did nothing) gives way to any reply
+            error = isinstance(reply, Exception) and not isinstance(reply, NotSent)
+            if (
+                have is _UNSERVED
+                or isinstance(have, NotSent)
+                or (error and not isinstance(have, Exception))
             ):
                 replies[i] = reply
     for i, reply in enumerate(replies):
