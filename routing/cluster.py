@@ -120,6 +120,7 @@ class ClusterStore:
         self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._masters: list[Node] = []
         self._refreshing: asyncio.Task[None] | None = None
+        self._lost_at = 0.0  # when a node found unreachable may ask for the map again
         self._tasks: set[asyncio.Future[Any]] = set()
         # Redirects followed, by kind (MOVED, ASK, TRYAGAIN): how often the map was behind.
         self.redirects: Counter[str] = Counter()
@@ -187,8 +188,11 @@ class ClusterStore:
             self._finish(commands, list(sent.result()), outer)
 
     def _check_lost(self, sent: asyncio.Future[list[Any]]) -> None:
-        # An unreachable master answers no MOVED: after a failover only the map knows more.
-        if not sent.cancelled() and isinstance(sent.exception(), RedisConnectionError):
+        # An unreachable master answers no MOVED: after a failover only the map knows more
+        # (asked at most once a second while a master stays down).
+        lost = not sent.cancelled() and isinstance(sent.exception(), RedisConnectionError)
+        if lost and (now := asyncio.get_running_loop().time()) >= self._lost_at:
+            self._lost_at = now + 1.0
             self._refresh_soon()
 
     def _settle(
