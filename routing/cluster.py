@@ -22,7 +22,6 @@ no part left, the batch fails as `NotSent`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 from collections import Counter
@@ -30,12 +29,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError, ResponseError
 
 from routing.futures import chain
 from routing.resp import NotSent
+from routing.slotmap import EVERY, Node, redirect_of, slot_of
 from routing.wire import Command
 
 if TYPE_CHECKING:
@@ -43,54 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.store")
 
-Node = tuple[str, int]  # (host, port)
-ANY = -1  # a keyless command: any master answers it
-EVERY = -2  # a SCRIPT command: every master must run it
-_SCRIPTED = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"})
-_KEYLESS = frozenset({"TIME", "PING", "ECHO", "INFO", "ROLE", "CLUSTER", "ASKING"})
 # Rounds of redirects followed at least (more while the command timeout lasts), before a
 # redirect stays as the command's error reply.
 MAX_REDIRECTS = 5
 # Between rounds of TRYAGAIN (a script whose keys are being migrated): doubling from 5 ms.
 PAUSE_S = 0.005
 MAX_PAUSE_S = 0.1
-
-
-def _name(command: Command) -> str:
-    name = command[0]
-    return (name.decode() if isinstance(name, bytes) else str(name)).upper()
-
-
-@functools.lru_cache(maxsize=65536)
-def _key_slot(key: Any) -> int:
-    # A gateway names few keys (its models', accounts', usage's): CRC16 once per name.
-    return key_slot(key if isinstance(key, bytes) else str(key).encode())
-
-
-def slot_of(command: Command) -> int:
-    """The hash slot of the command's first key, or `ANY` / `EVERY`."""
-    name = _name(command)
-    if name in _SCRIPTED:
-        numkeys = int(command[2])
-        return _key_slot(command[3]) if numkeys > 0 else ANY
-    if name in ("SCRIPT", "FUNCTION"):
-        return EVERY
-    if name in _KEYLESS or len(command) < 2:
-        return ANY
-    return _key_slot(command[1])
-
-
-def redirect_of(reply: Any) -> tuple[str, int, Node | None] | None:
-    """("MOVED" | "ASK", slot, node) of a redirect reply, ("TRYAGAIN", -1, None), or None."""
-    if not isinstance(reply, ResponseError):
-        return None
-    parts = str(reply).split()
-    if parts and parts[0] == "TRYAGAIN":
-        return ("TRYAGAIN", -1, None)
-    if len(parts) != 3 or parts[0] not in ("MOVED", "ASK"):
-        return None
-    host, _, port = parts[2].rpartition(":")
-    return (parts[0], int(parts[1]), (host, int(port)))
 
 
 def _check_encodable(commands: Sequence[Command]) -> None:

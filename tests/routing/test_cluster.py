@@ -15,9 +15,10 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 
-from routing.cluster import ANY, EVERY, ClusterStore, redirect_of, slot_of
+from routing.cluster import ClusterStore
 from routing.resp import Command, NotSent, RespClient
 from routing.scripts import Scripts
+from routing.slotmap import ANY, EVERY, redirect_of, slot_of
 from routing.store import (
     Store,
     _node_url,
