@@ -17,8 +17,11 @@ _ONE_PROMPT = (
 
 def _one_prompt(value: Any) -> Any:
     """A list holding one string is that string (LangChain's completions client sends one);
-    a list of several strings, or of lists, is a batch: one prompt per request."""
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
+    a list of several strings, or of lists, is a batch: one prompt per request; an empty
+    list is no prompt (a worker would refuse it after the request took a slot)."""
+    if isinstance(value, list) and not value:
+        raise PydanticCustomError("one_prompt", _ONE_PROMPT)
+    if isinstance(value, list) and isinstance(value[0], str | list):
         if len(value) == 1 and isinstance(value[0], str):
             return value[0]
         raise PydanticCustomError("one_prompt", _ONE_PROMPT)
@@ -34,7 +37,7 @@ def _one_string_list(schema: dict[str, Any]) -> None:
 
 
 Prompt = Annotated[
-    Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list")],
+    Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list"), Field(min_length=1)],
     by_shape("a string or a list of token ids"),
     BeforeValidator(_one_prompt),
 ]

@@ -176,7 +176,7 @@ def test_minimal_bodies_get_seed_defaults(model: type[BaseModel]) -> None:
 
 @pytest.mark.parametrize(
     ("prompt", "seen"),
-    [("hi", "hi"), (["hi"], "hi"), ([""], ""), ([1, 2], [1, 2]), ([], [])],
+    [("hi", "hi"), (["hi"], "hi"), ([""], ""), ([1, 2], [1, 2])],
 )
 def test_one_prompt_as_text_one_string_list_or_token_ids(prompt: Any, seen: Any) -> None:
     body = completion_body() | {"prompt": prompt}
@@ -186,8 +186,9 @@ def test_one_prompt_as_text_one_string_list_or_token_ids(prompt: Any, seen: Any)
     assert req.for_worker(body) == body | {"prompt": seen}
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [["a"]], [[1, 2]], ["a"] * 3, ["a", 1]])
+@pytest.mark.parametrize("prompt", [["a", "b"], [["a"]], [[1, 2]], ["a"] * 3, ["a", 1], []])
 def test_a_batch_of_prompts_is_one_prompt_per_request(prompt: Any) -> None:
+    """Several prompts, or none (an empty list), are refused before a slot is taken."""
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate(completion_body() | {"prompt": prompt})
     [error] = info.value.errors()
