@@ -37,7 +37,7 @@ def parse_body(body: bytes, schema: type[ModelT]) -> tuple[dict[str, Any], Model
     try:
         return payload, schema.model_validate(payload)
     except ValidationError as exc:
-        raise RequestInvalid(validation_detail(exc)) from None
+        raise RequestInvalid(validation_detail(exc, payload)) from None
 
 
 def _loads(body: bytes) -> Any:
@@ -196,9 +196,28 @@ def dumps(payload: Any) -> bytes:
         return json.dumps(payload, separators=(",", ":")).encode("utf-8")
 
 
-def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
-    """Pydantic errors in the seeds' HTTPValidationError shape, `loc` starting with body."""
+def validation_detail(exc: ValidationError, payload: Any) -> list[dict[str, Any]]:
+    """Pydantic errors in the seeds' HTTPValidationError shape, `loc` starting with body and
+    naming places in the caller's body only (`prompt.1`, not pydantic's `prompt.list.1`)."""
     return [
-        {"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]}
+        {"loc": ["body", *_body_loc(err["loc"], payload)], "msg": err["msg"], "type": err["type"]}
         for err in exc.errors(include_url=False, include_context=False, include_input=False)
     ]
+
+
+def _body_loc(loc: tuple[int | str, ...], payload: Any) -> list[int | str]:
+    """`loc` without the tags pydantic puts in it for tagged unions (`list`, `str`, a role):
+    walked along the body, a name that is no key where it stands is a tag, unless it ends
+    the `loc` of an object (a missing field is no key either)."""
+    found: list[int | str] = []
+    at = payload
+    for i, part in enumerate(loc):
+        inside_dict = isinstance(at, dict) and part in at
+        if inside_dict or (isinstance(at, list) and isinstance(part, int) and 0 <= part < len(at)):
+            at = at[part]
+        elif isinstance(part, str) and not (isinstance(at, dict) and i == len(loc) - 1):
+            continue  # a union's tag, not a place in the body
+        else:
+            at = None
+        found.append(part)
+    return found

@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict
 from gateway.asgi import error_parts
 from gateway.body import MAX_DEPTH, MAX_LOC_KEY, MAX_LOC_PARTS, dumps, parse_body
 from gateway.errors import RequestInvalid
+from gateway.schemas.chat import ChatRequest
+from gateway.schemas.completions import CompletionRequest
 
 
 class Body(BaseModel):
@@ -243,3 +245,43 @@ def test_big_integers_are_forwarded_exactly(number: int) -> None:
     forward = dumps(raw)
     assert b"%d" % number in forward
     assert parse_body(forward, Body)[0] == raw
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "loc"),
+    [
+        ("completion", b'{"model": "m", "prompt": [1, "x"]}', ["body", "prompt", 1]),
+        ("completion", b'{"model": "m", "prompt": "x", "stop": [1]}', ["body", "stop", 0]),
+        ("completion", b'{"prompt": "x"}', ["body", "model"]),
+        (
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", '
+            b'"text": 5}]}]}',
+            ["body", "messages", 0, "content", 0, "text"],
+        ),
+        (
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+            ["body", "messages", 0, "content", 0, "text"],
+        ),
+        (
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", '
+            b'"image_url": {"url": 5}}]}]}',
+            ["body", "messages", 0, "content", 0, "image_url", "url"],
+        ),
+        (
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user"}]}',
+            ["body", "messages", 0, "content"],
+        ),
+    ],
+)
+def test_loc_names_places_in_the_body_not_union_tags(
+    schema: str, body: bytes, loc: list[Any]
+) -> None:
+    model = ChatRequest if schema == "chat" else CompletionRequest
+    with pytest.raises(RequestInvalid) as info:
+        parse_body(body, model)
+    assert [error["loc"] for error in info.value.detail] == [loc]
+    assert info.value.envelope()["error"]["param"] == ".".join(str(p) for p in loc[1:])
