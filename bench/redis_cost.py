@@ -1,6 +1,8 @@
 """What admission costs Redis itself: commands, CPU and a no-op EVALSHA's worth per request.
 
 Run: .venv/bin/python bench/redis_cost.py [--admissions N] [--quick] [--json] [--redis URL]
+     .venv/bin/python bench/redis_cost.py --cluster [--admissions N] [--quick] [--json]
+     (on a Redis Cluster of three masters of its own: bench/cluster_cost.py)
 
 Redis: a redis-server of the benchmark's own on a free port, unless --redis or REDIS_URL
 names one (used as it is, never flushed: what the benchmark wrote is removed at the end).
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
+import cluster_cost  # noqa: E402
 import harness  # noqa: E402
 import rediskit  # noqa: E402
 from lives import Command, config_text, one_life, recording, replay_lives  # noqa: E402
@@ -298,22 +301,29 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="JSON on stdout, not the table")
     parser.add_argument("--redis", help="a Redis to use as it is (default: REDIS_URL, else "
                         "a redis-server of the benchmark's own)")  # fmt: skip
+    parser.add_argument("--cluster", action="store_true", help="on a 3-master Redis Cluster "
+                        "of its own: the cost per master, what three sustain")  # fmt: skip
     args = parser.parse_args()
+    if args.cluster and args.redis:
+        parser.error("--cluster starts a Cluster of its own: no --redis")
     n, count, idle_s = args.admissions, args.rounds, args.idle_seconds
     if args.quick:
         n, count, idle_s = 200, 1, 1.2
     with (
         tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp,
         contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout),
-        harness.bench_redis(Path(tmp), args.redis) as url,
     ):
-        results = asyncio.run(measure(url, n, args.batch, count, idle_s))
+        if args.cluster:
+            results = cluster_cost.run(Path(tmp), n, args.batch, count)
+        else:
+            with harness.bench_redis(Path(tmp), args.redis) as url:
+                results = asyncio.run(measure(url, n, args.batch, count, idle_s))
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()}  # fmt: skip
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        report(results)
+        (cluster_cost.report if args.cluster else report)(results)
 
 
 if __name__ == "__main__":
