@@ -1,6 +1,8 @@
 """What admission costs Redis itself: commands, CPU and a no-op EVALSHA's worth per request.
 
 Run: .venv/bin/python bench/redis_cost.py [--admissions N] [--quick] [--json] [--redis URL]
+     .venv/bin/python bench/redis_cost.py --cluster [--admissions N] [--quick] [--json]
+     (on a Redis Cluster of three masters of its own: bench/cluster_cost.py)
 
 Redis: a redis-server of the benchmark's own on a free port, unless --redis or REDIS_URL
 names one (used as it is, never flushed: what the benchmark wrote is removed at the end).
@@ -23,14 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
 import platform
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
+import cluster_cost  # noqa: E402
 import harness  # noqa: E402
 import rediskit  # noqa: E402
+from lives import Command, config_text, one_life, recording, replay_lives  # noqa: E402
 from rediskit import TAG, Delta, SlowLog, cost, measured, sent_counts, top_level_usec  # noqa: E402
 
 from gateway.settings import parse_config  # noqa: E402
@@ -50,21 +53,10 @@ from routing.keeper import Keeper  # noqa: E402
 from routing.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
 from routing.resp import RespClient  # noqa: E402
-from tiers.usage import UsageRecord, cost_usd  # noqa: E402
 
 NOOP = "return 0"
-Command = tuple[Any, ...]
 # What a replay needs: the store, the captured batches, their lease id, the acquire's sha.
 Life = tuple[RespClient, list[list[Command]], str, str]
-
-
-def config_text(models: Sequence[str]) -> str:
-    rows = "".join(
-        f"  {m}: {{endpoints: [{{url: 'http://127.0.0.1:9/a', max_concurrency: 16, model: m}},"
-        f" {{url: 'http://127.0.0.1:9/b', max_concurrency: 16, model: m}}]}}\n"
-        for m in models
-    )
-    return f"redis: {{url: 'redis://unused', lease_ttl_s: 30}}\nmodels:\n{rows}"
 
 
 async def admission_for(url: str, models: Sequence[str], replica: str) -> tuple[Admission, Any]:
@@ -86,45 +78,6 @@ async def close(admission: Admission) -> None:
     await admission.store.aclose()
 
 
-@contextlib.contextmanager
-def recording(store: Any) -> Iterator[list[list[Command]]]:
-    """Every batch the store sends (one round trip each), as sent. Wraps the store's own
-    `send` (routing/resp.py), under whatever Scripts calls it."""
-    batches: list[list[Command]] = []
-    original = store.send
-
-    def send(commands: Sequence[Sequence[Any]]) -> Any:
-        batches.append([tuple(c) for c in commands])
-        return original(commands)
-
-    store.send = send
-    try:
-        yield batches
-    finally:
-        del store.send  # the class's method again
-
-
-def usage_fields(model: str, lease: Any) -> dict[str, str]:
-    """A usage record as the gateway writes one for a completed, non-streamed request."""
-    return UsageRecord(
-        request_id=f"{TAG}-7f3c2a9e41d04b6f", ts=dt.datetime.now(dt.UTC).isoformat(),
-        account=TAG, key_id="3f2a9c1b7d4e", user="user-4711", source="bench",
-        requested_model=model, served_model=model, fallback_index=0,
-        requested_tier="default", tier="default", prompt_tokens=812, completion_tokens=256,
-        estimated=False, status=200, outcome="complete", duration_ms=1834.25,
-        queue_ms=round(lease.queued_ms, 3), ttft_ms=212.5,
-        cost_usd=cost_usd(812, 256, 0.5, 1.5, 1.0),
-    ).to_fields()  # fmt: skip
-
-
-async def one_life(admission: Admission, plan: Any) -> str:
-    """admit, then release with a usage record, as the completion route does; the lease id."""
-    model = plan[0].model.name
-    admitted = await admission.admit(plan, TAG, 1000)
-    await admission.release(admitted.lease, usage_fields(model, admitted.lease))
-    return admitted.lease.id
-
-
 async def capture(
     admission: Admission, plan: Any, info: aioredis.Redis
 ) -> tuple[list[list[Command]], str, Delta]:
@@ -141,33 +94,10 @@ async def capture(
     return batches, leases[0], delta
 
 
-def renamed(batches: list[list[Command]], lease_id: str, fresh: str) -> list[Command]:
-    """The captured commands, flat, with `fresh` for the lease id wherever it appears (the
-    scripts' arguments, the account entry, the record's attempt and its dedupe key)."""
-    return [
-        tuple(a.replace(lease_id, fresh) if isinstance(a, str) else a for a in command)
-        for batch in batches
-        for command in batch
-    ]
-
-
 async def replay(life: Life, n: int, batch: int, tag: str) -> None:
-    """The captured life `n` times back to back, `batch` lives per round trip. Each must be
-    granted its slot and give everything back, or the benchmark measures something else."""
+    """The captured life `n` times back to back, `batch` lives per round trip."""
     store, batches, lease_id, acquire = life
-    granted = 0
-    for start in range(0, n, batch):
-        commands: list[Command] = []
-        for i in range(start, min(n, start + batch)):
-            commands += renamed(batches, lease_id, f"{lease_id}-{tag}{i}")
-        replies = await store.send(commands)
-        for command, reply in zip(commands, replies, strict=True):
-            if isinstance(reply, Exception):
-                raise reply
-            if command[0] == "EVALSHA" and command[1] == acquire and int(reply[0]) == 1:
-                granted += 1
-    if granted != n:
-        raise RuntimeError(f"replay: {granted} of {n} admissions granted")
+    await replay_lives(store, [(batches, lease_id)], acquire, n, batch, tag)
 
 
 async def noops(store: RespClient, sha: str, n: int, batch: int) -> None:
@@ -371,22 +301,29 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="JSON on stdout, not the table")
     parser.add_argument("--redis", help="a Redis to use as it is (default: REDIS_URL, else "
                         "a redis-server of the benchmark's own)")  # fmt: skip
+    parser.add_argument("--cluster", action="store_true", help="on a 3-master Redis Cluster "
+                        "of its own: the cost per master, what three sustain")  # fmt: skip
     args = parser.parse_args()
+    if args.cluster and args.redis:
+        parser.error("--cluster starts a Cluster of its own: no --redis")
     n, count, idle_s = args.admissions, args.rounds, args.idle_seconds
     if args.quick:
         n, count, idle_s = 200, 1, 1.2
     with (
         tempfile.TemporaryDirectory(prefix="bench-cost-") as tmp,
         contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout),
-        harness.bench_redis(Path(tmp), args.redis) as url,
     ):
-        results = asyncio.run(measure(url, n, args.batch, count, idle_s))
+        if args.cluster:
+            results = cluster_cost.run(Path(tmp), n, args.batch, count)
+        else:
+            with harness.bench_redis(Path(tmp), args.redis) as url:
+                results = asyncio.run(measure(url, n, args.batch, count, idle_s))
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()}  # fmt: skip
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        report(results)
+        (cluster_cost.report if args.cluster else report)(results)
 
 
 if __name__ == "__main__":
