@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest
+from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
 
 KEY = "sk-usage"
@@ -63,8 +64,20 @@ def billing_config(good: procs.Proc, slow: procs.Proc, broken: procs.Proc, redis
     )
 
 
-@pytest.fixture(scope="module")
-def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+# On a single Redis and on a 3-master Redis Cluster: the fallback (busy -> cheap) and the
+# usage record cross masters there, the account on another master than the model served.
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def billing(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Billing]:
+    redis_url = REDIS_URL
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        nodes = {n: cluster.node_of("{" + n + "}").port for n in ("cheap", "busy", "broken")}
+        assert len(set(nodes.values())) == 3, nodes
+        assert cluster.node_of("{billing}").port != nodes["cheap"]
+        redis_url = cluster.url
     tmp = tmp_path_factory.mktemp("billing")
     started: list[procs.Proc] = []
     try:
@@ -72,7 +85,7 @@ def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
         slow = procs.sim(tmp, "--ttft-ms", "0", "--itl-ms", "50", "--tokens", "60")
         broken = procs.sim(tmp, "--fault", "error500")
         started += [good, slow, broken]
-        text = billing_config(good, slow, broken, REDIS_URL, tmp)
+        text = billing_config(good, slow, broken, redis_url, tmp)
         gateway = procs.gateway(tmp, text)
         started.append(gateway)
         yield Billing(gateway, tmp / f"gateway-{gateway.port}.yaml", tmp)
@@ -239,8 +252,8 @@ def test_queue_depth_rises_while_waiting_and_returns_to_zero(billing: Billing) -
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-def test_killing_redis_loses_no_usage_record(billing: Billing) -> None:
-    tmp = billing.tmp
+def test_killing_redis_loses_no_usage_record(tmp_path: Path) -> None:
+    tmp = tmp_path
     server = RedisServer(tmp, persistent=True)
     server.start()
     started: list[procs.Proc] = []
