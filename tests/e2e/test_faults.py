@@ -1,6 +1,8 @@
 """docs/architecture.md, "What each fault does", done for real: a private redis-server is restarted
 empty, stalled with SIGSTOP, killed; a gateway replica is killed -9 with waiters queued.
-The invariants are read from the workers' own counters and from Redis itself.
+The invariants are read from the workers' own counters and from Redis itself. The tests
+marked BOTH run again on a 3-master Redis Cluster, where the master of m is the one
+restarted or stalled.
 
 Long requests are streams the test holds open and closes itself. Waits on other processes
 are bounded polls (there is no event to wait on across processes); the bounds are the
@@ -16,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from routing.store import connect
 from tests.e2e import procs
 from tests.e2e.conftest import digest
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 
 KEY = "sk-faults-acme"
@@ -42,12 +46,14 @@ SLACK_S = 3.0  # a busy 2-core CI machine
 
 @dataclass
 class Fleet:
-    redis: RedisServer
+    redis: RedisServer  # the single Redis, or the Cluster master that serves model m
+    url: str  # the store the gateways are given, and the test reads
     replicas: list[procs.Proc]
     workers: list[procs.Proc]  # m: two endpoints of 4
     single: procs.Proc  # q: one endpoint of 1
     config: str
     tmp: Path
+    cluster: RedisCluster | None = None
 
 
 def fleet_config(redis_url: str, workers: list[procs.Proc], single: procs.Proc) -> str:
@@ -80,10 +86,45 @@ def long_sim(tmp: Path, max_seqs: int) -> procs.Proc:
     )
 
 
+# A test marked BOTH runs on a single Redis and on a 3-master Redis Cluster of its own (its
+# master of m is restarted and stalled), m, free and the usage stream on three masters.
+BOTH = pytest.mark.parametrize("fleet", ["single", "cluster"], indirect=True)
+SINGLE = pytest.mark.parametrize("fleet", ["single"], indirect=True)
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("faults")
-    server = RedisServer(tmp).start()
+    with fault_store(tmp, request.param) as (server, url, cluster):
+        yield from _fleet(tmp, server, url, cluster)
+
+
+@contextmanager
+def fault_store(tmp: Path, kind: str) -> Iterator[tuple[RedisServer, str, RedisCluster | None]]:
+    """A single Redis, or a Cluster and its master of m. The Cluster's nodes never give up
+    on a stalled one (node timeout 60 s): a stall stays a stall, never a failover."""
+    if kind == "single":
+        server = RedisServer(tmp).start()
+        try:
+            yield server, server.url, None
+        finally:
+            server.stop()
+        return
+    cluster = start_cluster(tmp / "cluster", ["--cluster-node-timeout", "60000"])
+    try:
+        nodes = {n: cluster.node_of("{" + n + "}").port for n in ("m", "free", "usage")}
+        assert len(set(nodes.values())) == 3, nodes
+        assert cluster.node_of("{faults-two}").port != cluster.node_of("{q}").port
+        yield cluster.node_of("{m}"), cluster.url, cluster
+    finally:
+        cluster.stop()
+
+
+def _fleet(
+    tmp: Path, server: RedisServer, url: str, cluster: RedisCluster | None
+) -> Iterator[Fleet]:
     started: list[procs.Proc] = []
     try:
         # The workers take more than the gateway gives them (max-seqs 8 > 4): if the
@@ -91,14 +132,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         workers = [long_sim(tmp, 8), long_sim(tmp, 8)]
         single = long_sim(tmp, 4)
         started += [*workers, single]
-        config = fleet_config(server.url, workers, single)
+        config = fleet_config(url, workers, single)
         replicas = [procs.gateway(tmp, config) for _ in range(2)]
         started += replicas
-        yield Fleet(server, replicas, workers, single, config, tmp)
+        yield Fleet(server, url, replicas, workers, single, config, tmp, cluster)
     finally:
         for proc in started:
             proc.stop()
-        server.stop()
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -184,7 +224,7 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, limit_s: float)
 
 @asynccontextmanager
 async def redis_of(fleet: Fleet | LocalFleet) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(fleet.redis.url, socket_timeout=5)
+    client = connect(fleet.url, command_timeout_s=5.0)  # a Cluster client on a Cluster
     try:
         yield client
     finally:
@@ -225,7 +265,7 @@ async def assert_clean(fleet: Fleet, limit_s: float = LEASE_TTL_S + SLACK_S) -> 
     left: list[str] = []
 
     async def clean() -> bool:
-        left[:] = await leftovers(fleet.redis.url, ("m", "q", "free"))
+        left[:] = await leftovers(fleet.url, ("m", "q", "free"))
         return not left
 
     try:
@@ -237,7 +277,7 @@ async def assert_clean(fleet: Fleet, limit_s: float = LEASE_TTL_S + SLACK_S) -> 
 async def leftovers(url: str, models: tuple[str, ...]) -> list[str]:
     """What Redis still holds for requests: leases, waiters, endpoint loads, account entries."""
     found: list[str] = []
-    client = aioredis.Redis.from_url(url, socket_timeout=5)
+    client = connect(url, command_timeout_s=5.0)
     try:
         for model in models:
             tag = "gw:{" + model + "}:"
@@ -259,6 +299,7 @@ async def leftovers(url: str, models: tuple[str, ...]) -> list[str]:
 # --- Redis restarted empty ---------------------------------------------------------------------
 
 
+@BOTH
 async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: Fleet) -> None:
     """Item 1: 8 streams hold capacity 8, two waiters queue, one account is at its limit;
     Redis restarts empty. Within a sweep everything is written back: new fail-fast
@@ -277,6 +318,8 @@ async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: F
         order = await queue_ids(fleet, "m")
 
         fleet.redis.restart_empty()
+        if fleet.cluster is not None:  # a restarted master refuses writes for its first 2 s
+            await asyncio.to_thread(fleet.cluster.wait_ok)
         # At once, before any sweep has written anything back: nothing is admitted.
         early = await asyncio.gather(
             *(post((a, b)[i % 2], "m", rid=rid("restart"), fail_fast=True) for i in range(8))
@@ -315,6 +358,7 @@ async def _rebuilt(fleet: Fleet, order: list[str]) -> bool:
 # --- Redis stalled ------------------------------------------------------------------------------
 
 
+@BOTH
 async def test_a_stalled_redis_is_an_outage_not_a_hang(fleet: Fleet) -> None:
     """Item 2: SIGSTOP. Requests are answered 503 within the command timeout plus a sweep,
     /readyz says so, admitted streams go on, and the gateway recovers by itself."""
@@ -350,6 +394,7 @@ async def _ok(url: str, model: str) -> bool:
 # --- account entries of waiters -------------------------------------------------------------
 
 
+@BOTH
 async def test_a_waiters_account_entry_outlives_the_lease_ttl(fleet: Fleet) -> None:
     """Item 4: a request waits in the queue longer than the lease TTL; its entry in the
     account's count stays (its replica keeps it alive), so the limit still holds."""
@@ -379,6 +424,7 @@ async def test_a_waiters_account_entry_outlives_the_lease_ttl(fleet: Fleet) -> N
 # --- a replica dies with waiters ----------------------------------------------------------------
 
 
+@BOTH
 async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None:
     """Item 10: a replica killed -9 with three waiters at the head of the queue. A live
     waiter behind them is served once the slot frees: the dead ones leave within the
@@ -408,6 +454,7 @@ async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None
     await assert_records(fleet, f"faults-{RUN}-dead-", {live_id})
 
 
+@BOTH
 async def test_a_grant_to_a_dead_waiter_goes_back_after_the_claim_time(fleet: Fleet) -> None:
     """Item 10: the slot is granted to a dead replica's waiter before its queue entry
     expires; nobody claims it, so it returns within the claim time and the live waiter
@@ -438,6 +485,10 @@ class LocalFleet:
     redis: RedisServer
     replicas: list[procs.Proc]
     worker: procs.Proc
+
+    @property
+    def url(self) -> str:
+        return self.redis.url
 
 
 @pytest.fixture(scope="module")
@@ -507,6 +558,7 @@ async def _sees(url: str, replicas: int, inflight: int) -> bool:
 # --- shutdown -----------------------------------------------------------------------------------
 
 
+@SINGLE
 async def test_sigterm_turns_waiters_away_and_tells_those_cut_at_the_grace(fleet: Fleet) -> None:
     """SIGTERM: queued requests get a 503 `shutting_down` at once (their callers can go to
     another replica), running ones get the grace period; those still running when it ends

@@ -1,5 +1,6 @@
 """Billing from outside: one usage record per admitted request, the metrics that agree with
-what was sent, and no record lost while Redis is away."""
+what was sent, and no record lost while Redis is away; on a single Redis and on a 3-master
+Redis Cluster (where the master of the stream `usage` is the one killed)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest
+from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 
 KEY = "sk-usage"
@@ -63,8 +65,20 @@ def billing_config(good: procs.Proc, slow: procs.Proc, broken: procs.Proc, redis
     )
 
 
-@pytest.fixture(scope="module")
-def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
+# On a single Redis and on a 3-master Redis Cluster: the fallback (busy -> cheap) and the
+# usage record cross masters there, the account on another master than the model served.
+@pytest.fixture(scope="module", params=["single", "cluster"])
+def billing(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Billing]:
+    redis_url = REDIS_URL
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        nodes = {n: cluster.node_of("{" + n + "}").port for n in ("cheap", "busy", "broken")}
+        assert len(set(nodes.values())) == 3, nodes
+        assert cluster.node_of("{billing}").port != nodes["cheap"]
+        redis_url = cluster.url
     tmp = tmp_path_factory.mktemp("billing")
     started: list[procs.Proc] = []
     try:
@@ -72,7 +86,7 @@ def billing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Billing]:
         slow = procs.sim(tmp, "--ttft-ms", "0", "--itl-ms", "50", "--tokens", "60")
         broken = procs.sim(tmp, "--fault", "error500")
         started += [good, slow, broken]
-        text = billing_config(good, slow, broken, REDIS_URL, tmp)
+        text = billing_config(good, slow, broken, redis_url, tmp)
         gateway = procs.gateway(tmp, text)
         started.append(gateway)
         yield Billing(gateway, tmp / f"gateway-{gateway.port}.yaml", tmp)
@@ -239,15 +253,16 @@ def test_queue_depth_rises_while_waiting_and_returns_to_zero(billing: Billing) -
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-def test_killing_redis_loses_no_usage_record(billing: Billing) -> None:
-    tmp = billing.tmp
-    server = RedisServer(tmp, persistent=True)
-    server.start()
+@pytest.mark.parametrize("kind", ["single", "cluster"])
+def test_killing_redis_loses_no_usage_record(tmp_path: Path, kind: str) -> None:
+    tmp = tmp_path
+    servers: list[RedisServer] = []
     started: list[procs.Proc] = []
     try:
+        server, redis_url = usage_store(tmp, kind, servers)
         good = procs.sim(tmp, "--ttft-ms", "0", "--itl-ms", "20", "--tokens", "5")
         started.append(good)
-        text = billing_config(good, good, good, f"redis://127.0.0.1:{server.port}/0", tmp, "local")
+        text = billing_config(good, good, good, redis_url, tmp, "local")
         gateway = procs.gateway(tmp, text)
         started.append(gateway)
         served: list[str] = []
@@ -269,4 +284,23 @@ def test_killing_redis_loses_no_usage_record(billing: Billing) -> None:
     finally:
         for proc in started:
             proc.stop()
-        server.stop()
+        for stopped in servers:
+            stopped.stop()
+
+
+def usage_store(tmp: Path, kind: str, servers: list[RedisServer]) -> tuple[RedisServer, str]:
+    """The server to kill (with an append-only file, as in production) and the address the
+    gateway is given: a single Redis, or a Cluster's master of the stream `usage` and
+    another master's address. Every server started is added to `servers`."""
+    if kind == "single":
+        servers.append(RedisServer(tmp, persistent=True).start())
+        return servers[0], servers[0].url
+    # No node is marked failed within the test (node timeout 60 s): the others go on.
+    extra = ["--appendonly", "yes", "--appendfsync", "always", "--cluster-node-timeout", "60000"]
+    cluster = start_cluster(tmp / "cluster", extra)
+    servers += cluster.nodes
+    down = cluster.node_of("usage")
+    assert cluster.node_of("{billing}").port != down.port
+    return down, next(
+        u for n, u in zip(cluster.nodes, cluster.urls(), strict=True) if n is not down
+    )
