@@ -82,6 +82,8 @@ class ClusterStore:
         self._tasks: set[asyncio.Future[Any]] = set()
         # Redirects followed, by kind (MOVED, ASK, TRYAGAIN): how often the map was behind.
         self.redirects: Counter[str] = Counter()
+        # A master's failover to its replica is not counted here (yet): see `Store.moves`.
+        self.moves: int | None = None
 
     # --- sending -------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import Any
 from routing.estimate import RetryAfter
 from routing.holdings import Holdings, Lease
 from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call
+from routing.recent import Recent
 from routing.resp import NotSent
 from routing.scripts import STORE_ERRORS, Scripts, first_error
 from routing.slots import ModelSlots, text
@@ -42,6 +43,8 @@ class Handback:
         self.slots = slots
         self.holdings = holdings
         self.spool = spool
+        # Records a master took, to send again if the store moves to another (Sentinel).
+        self.recent = Recent() if store.moves is not None else None
         self._retry = retry
         # Calls on their way that close() waits for (releases, give-backs, late replies).
         self._pending: set[asyncio.Future[Any]] = set()
@@ -94,6 +97,8 @@ class Handback:
             self._spool(usage)  # e.g. Redis at maxmemory refuses records: they wait on disk
             if replies is not None:
                 self.store_errors.report(replies[-1], "usage record")
+        elif usage is not None and self.recent is not None:
+            self.recent.took(usage)
         if not released.done():
             released.set_result(None)
 

@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from routing.admission import Admission
 from routing.background import BackgroundErrors, every
+from routing.ledger import UsageSpool
 from routing.scripts import STORE_ERRORS, Call, first_error
 from routing.slots import ModelState, sweep_result, text
 
@@ -64,6 +65,8 @@ class Keeper:
     round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The store's moves to another master already answered (routing/recent.py).
+    _moves: int = 0
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -159,6 +162,7 @@ class Keeper:
         spool, send = adm.ledger.spool, adm.ledger.send
         if spool is None:
             return
+        self._resend_after_a_move(spool)
 
         async def reporting(calls: Sequence[Call]) -> list[Any]:
             replies = await send(calls)
@@ -167,6 +171,18 @@ class Keeper:
             return replies
 
         await spool.tend(reporting)
+
+    def _resend_after_a_move(self, spool: UsageSpool) -> None:
+        """The store moved to another master: what the old one took lately may be gone
+        with it (routing/recent.py), so it is spooled again for this round to send."""
+        moves, recent = self.admission.store.moves, self.admission.handback.recent
+        if moves is None or moves <= self._moves or recent is None:
+            return
+        again = recent.lately()
+        for record in again:
+            spool.add(record)
+        self._moves = moves
+        log.warning("redis moved to another master: %d recent usage records resent", len(again))
 
     # --- wake-ups ------------------------------------------------------------------------
 

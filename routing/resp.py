@@ -230,6 +230,8 @@ class RespClient:
         self._watch_s = watch_s
         self._watch: asyncio.Task[None] | None = None
         self._at: tuple[str, int] | None = None  # where the locator said the master was
+        # Times the locator named another master than the last one connected to.
+        self.moves: int | None = None if locator is None else 0
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -298,8 +300,11 @@ class RespClient:
         if self._unix is not None:
             _, protocol = await loop.create_unix_connection(factory, self._unix)
         elif self._locator is not None:
-            self._at = await self._locator.locate()
-            _, protocol = await loop.create_connection(factory, *self._at)
+            at = await self._locator.locate()
+            if self._at is not None and at != self._at and self.moves is not None:
+                self.moves += 1
+            self._at = at
+            _, protocol = await loop.create_connection(factory, *at)
         else:
             _, protocol = await loop.create_connection(factory, self._host, self._port)
         try:

@@ -79,11 +79,17 @@ class Store(Protocol):
 
     async def aclose(self) -> None: ...
 
+    # How many times the store moved to another master (Sentinel); None where it cannot
+    # tell. A write the old master took may be gone after a move (routing/ledger.py).
+    moves: int | None
+
 
 class RedisPyStore:
     """The `Store` over redis-py (memory://, rediss://): each send is one non-transactional
     pipeline, bounded as a whole by `timeout_s` (None for memory://, see `call_timeout`).
     The client is its owner's: `aclose` leaves it open."""
+
+    moves: int | None = None
 
     def __init__(self, client: aioredis.Redis, timeout_s: float | None) -> None:
         self.client = client

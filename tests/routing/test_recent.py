@@ -1,0 +1,128 @@
+"""After the store moves to another master (Sentinel), the usage records the old master
+took lately are sent again: Redis replicates asynchronously, so the promoted replica may
+never have got them. A record the new master has is not counted twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.settings import parse_config
+from routing.admission import Admission
+from routing.keeper import Keeper
+from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool, record_call
+from routing.plan import plan_candidates
+from routing.recent import Recent
+from routing.registry import Registry
+from routing.resp import RespClient
+from tests.redis_server import RedisServer
+
+CONFIG = 'models: {m: {endpoints: [{url: "http://127.0.0.1:9", max_concurrency: 4}]}}\n'
+REGISTRY = Registry(parse_config(CONFIG, "recent.yaml").models)
+
+
+class Locator:
+    """Says where the test puts the master."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    async def locate(self) -> tuple[str, int]:
+        return "127.0.0.1", self.port
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+def two(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
+    servers = [RedisServer(tmp_path).start(), RedisServer(tmp_path).start()]
+    try:
+        yield servers[0], servers[1]
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+async def moving(
+    two: tuple[RedisServer, RedisServer], tmp_path: Path
+) -> AsyncIterator[tuple[Admission, Locator]]:
+    locator = Locator(two[0].port)
+    store = RespClient("redis://master/0", locator=locator, watch_s=0.02)
+    config = parse_config(CONFIG, "recent.yaml")
+    spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), "redis+sentinel://s/gw")
+    adm = Admission(store, REGISTRY, config.tiers, lease_ttl_s=30,
+                    on_outage="reject", spool=spool)  # fmt: skip
+    try:
+        yield adm, locator
+    finally:
+        await asyncio.wait_for(adm.close(), 5)
+        await store.aclose()
+        spool.close()
+
+
+def records_on(server: RedisServer) -> list[str]:
+    with redis.Redis(port=server.port) as plain:
+        return [fields[b"request_id"].decode() for _, fields in plain.xrange(USAGE_STREAM)]
+
+
+async def admit_and_release(adm: Admission, rid: str) -> None:
+    plan = plan_candidates("m", None, fail_fast=True, registry=REGISTRY, allowed=None)
+    admitted = await asyncio.wait_for(adm.admit(plan, "acct", 10), 5)
+    record = {"request_id": rid, "account": "acct", "status": "200"}
+    await asyncio.wait_for(adm.release(admitted.lease, record), 5)
+
+
+async def test_records_the_old_master_took_go_again_to_the_new_one(
+    two: tuple[RedisServer, RedisServer], moving: tuple[Admission, Locator]
+) -> None:
+    adm, locator = moving
+    for i in range(3):
+        await admit_and_release(adm, f"before-move-{i}")
+    assert records_on(two[0]) == [f"before-move-{i}" for i in range(3)]
+    # The new master got the first one before the failover, as a replica would have.
+    assert adm.handback.recent is not None
+    replicated = adm.handback.recent.lately()[0]
+    other = RespClient(f"redis://127.0.0.1:{two[1].port}/0")
+    try:
+        await asyncio.wait_for(adm.scripts.send(other, [record_call(replicated, 3600)]), 5)
+    finally:
+        await other.aclose()
+    assert records_on(two[1]) == ["before-move-0"]
+    locator.port = two[1].port  # the sentinels now name the other master
+    deadline = time.monotonic() + 10
+    while adm.store.moves == 0:  # its watch runs every 20 ms: a bounded poll for it
+        assert time.monotonic() < deadline, "the store never moved"
+        with contextlib.suppress(RedisConnectionError):
+            await adm.store.send([["PING"]])
+        await asyncio.sleep(0.02)
+    keeper = Keeper(adm, aioredis.Redis(port=two[1].port))
+    await asyncio.wait_for(keeper._tend_spool(), 5)
+    assert sorted(records_on(two[1])) == [f"before-move-{i}" for i in range(3)]
+    await asyncio.wait_for(keeper._tend_spool(), 5)  # nothing more, nothing twice
+    assert len(records_on(two[1])) == 3
+
+
+def test_recent_keeps_only_the_last_seconds_and_a_bounded_number() -> None:
+    now = [0.0]
+    recent = Recent(keep_s=10.0, most=3, clock=lambda: now[0])
+    for i in range(5):
+        now[0] = float(i)
+        recent.took({"request_id": str(i)})
+    assert [r["request_id"] for r in recent.lately()] == ["2", "3", "4"]  # at most 3
+    now[0] = 13.5
+    assert [r["request_id"] for r in recent.lately()] == ["4"]  # 10 s at most
+
+
+def test_a_store_that_cannot_move_keeps_no_records() -> None:
+    store = RespClient("redis://127.0.0.1:1/0")
+    assert store.moves is None
