@@ -82,8 +82,8 @@ class ClusterStore:
         self._tasks: set[asyncio.Future[Any]] = set()
         # Redirects followed, by kind (MOVED, ASK, TRYAGAIN): how often the map was behind.
         self.redirects: Counter[str] = Counter()
-        # A master's failover to its replica is not counted here (yet): see `Store.moves`.
-        self.moves: int | None = None
+        # Slot maps in which a slot's master was gone (failed over): see `Store.moves`.
+        self.moves: int | None = 0
 
     # --- sending -------------------------------------------------------------------------
 
@@ -312,6 +312,11 @@ class ClusterStore:
             node = (host if host not in ("", "?") else asked, int(master[1]))
             masters[node] = None
             slots[int(start) : int(end) + 1] = [node] * (int(end) - int(start) + 1)
+        pairs = zip(self._slots, slots, strict=True)
+        if any(a is not None and b is not None and a != b and a not in masters for a, b in pairs):
+            # A slot's master is no master any more: its replica took over, and what it took
+            # lately may not have reached that replica (routing/recent.py).
+            self.moves = (self.moves or 0) + 1
         self._slots, self._masters = slots, list(masters)
 
     # --- lifetime ------------------------------------------------------------------------
