@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
 
@@ -37,6 +38,23 @@ async def _until_not_sent(store: ClusterStore, node: RedisServer) -> None:
             continue
 
 
+@contextlib.asynccontextmanager
+async def private_fleet(
+    tmp_path: Path, extra: list[str] | None = None
+) -> AsyncIterator[tuple[RedisCluster, Fleet]]:
+    """A Cluster of this test's own (to kill and restart nodes of) and replicas on it."""
+    cluster = start_cluster(tmp_path / "c", extra or [])
+    config = parse_config(CONFIG, "t.yaml")
+    inspect = connect(cluster.url, command_timeout_s=2.0)
+    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
+    try:
+        yield cluster, fleet
+    finally:
+        await fleet.close()
+        await inspect.aclose()
+        cluster.stop()
+
+
 async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
     tmp_path: Path,
 ) -> None:
@@ -44,11 +62,10 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
     # reloading the scripts fails with NotSent (SCRIPT LOAD goes to every master), and the
     # whole batch then failed as NotSent ("nothing ran, nothing to undo") although the
     # account call on a third master ran: its entry stayed held until its TTL.
-    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
-    config = parse_config(CONFIG, "t.yaml")
-    inspect = connect(cluster.url, command_timeout_s=2.0)
-    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
-    try:
+    async with private_fleet(tmp_path, ["--cluster-require-full-coverage", "no"]) as (
+        cluster,
+        fleet,
+    ):
         model_node = cluster.node_of("{two}")
         account = next(
             f"t-r{i}"
@@ -68,10 +85,6 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
         await bounded(adm.drain())
         with cluster.client(account_node) as client:
             assert client.zcard("gw:acct:{" + account + "}") == 0, "the account entry leaked"
-    finally:
-        await fleet.close()
-        await inspect.aclose()
-        cluster.stop()
 
 
 async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
@@ -80,11 +93,10 @@ async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
     # docs: with a master down, "the others go on". Another master that restarts (scripts
     # gone) answers NOSCRIPT; the reload goes to every master, the down one refuses it, the
     # reload fails and the restarted master's models stay an outage until the other returns.
-    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
-    config = parse_config(CONFIG, "t.yaml")
-    inspect = connect(cluster.url, command_timeout_s=2.0)
-    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
-    try:
+    async with private_fleet(tmp_path, ["--cluster-require-full-coverage", "no"]) as (
+        cluster,
+        fleet,
+    ):
         model_node = cluster.node_of("{two}")
         account = next(
             f"t-r{i}" for i in range(1000) if cluster.node_of("{t-r" + str(i) + "}") is model_node
@@ -97,10 +109,6 @@ async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
             client.script_flush()
         lease = (await admit(adm, fleet.plan("two"), account=account)).lease
         await bounded(adm.release(lease))
-    finally:
-        await fleet.close()
-        await inspect.aclose()
-        cluster.stop()
 
 
 def _open_links(store: ClusterStore) -> list[tuple[str, int]]:
@@ -204,11 +212,10 @@ async def test_a_failover_to_a_replica_is_followed_once_the_old_master_is_gone(
     # still names the old master, which can answer no MOVED; only a refresh of the map can
     # find the new one, and nothing but a MOVED asked for one: its models stayed an outage
     # for good.
-    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
-    config = parse_config(CONFIG, "t.yaml")
-    inspect = connect(cluster.url, command_timeout_s=2.0)
-    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
-    try:
+    async with private_fleet(tmp_path, ["--cluster-require-full-coverage", "no"]) as (
+        cluster,
+        fleet,
+    ):
         old = cluster.node_of("{two}")
         # The replicas are given a node that stays (the store's seed).
         fleet.url = next(
@@ -232,10 +239,6 @@ async def test_a_failover_to_a_replica_is_followed_once_the_old_master_is_gone(
         await bounded(adm.release(lease))
         # Counted as a move: the keeper sends what the old master took lately again.
         assert store.moves == 1
-    finally:
-        await fleet.close()
-        await inspect.aclose()
-        cluster.stop()
 
 
 def _add_master(cluster: RedisCluster) -> RedisServer:
@@ -256,11 +259,7 @@ async def test_a_reshard_onto_a_new_master_runs_the_scripts_there(tmp_path: Path
     # scripts). MOVED asks for a refresh before the resend, which answers NOSCRIPT: the
     # reload reaches the new master as the refresh has named it by then (a race the
     # refresh wins here, its master's connection being up already).
-    cluster = start_cluster(tmp_path / "c")
-    config = parse_config(CONFIG, "t.yaml")
-    inspect = connect(cluster.url, command_timeout_s=2.0)
-    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
-    try:
+    async with private_fleet(tmp_path) as (cluster, fleet):
         adm = await fleet.admission()
         lease = (await admit(adm, fleet.plan("two"))).lease  # the model's keys exist
         await bounded(adm.release(lease))
@@ -272,7 +271,3 @@ async def test_a_reshard_onto_a_new_master_runs_the_scripts_there(tmp_path: Path
         lease = (await admit(adm, fleet.plan("two"))).lease  # MOVED: run on the new master
         await bounded(adm.release(lease))
         assert cast(ClusterStore, adm.store).redirects["MOVED"] > 0
-    finally:
-        await fleet.close()
-        await inspect.aclose()
-        cluster.stop()
