@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,32 +24,10 @@ from routing.recent import Recent
 from routing.registry import Registry
 from routing.resp import RespClient
 from tests.redis_server import RedisServer
+from tests.routing.servers import Locator
 
 CONFIG = 'models: {m: {endpoints: [{url: "http://127.0.0.1:9", max_concurrency: 4}]}}\n'
 REGISTRY = Registry(parse_config(CONFIG, "recent.yaml").models)
-
-
-class Locator:
-    """Says where the test puts the master."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    async def locate(self) -> tuple[str, int]:
-        return "127.0.0.1", self.port
-
-    async def aclose(self) -> None:
-        pass
-
-
-@pytest.fixture
-def two(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
-    servers = [RedisServer(tmp_path).start(), RedisServer(tmp_path).start()]
-    try:
-        yield servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture

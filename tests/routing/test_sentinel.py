@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -29,6 +28,7 @@ from routing.sentinel import (
 )
 from routing.storeerrors import cause_of
 from tests.redis_server import RedisServer, free_port
+from tests.routing.servers import Locator
 
 SECRET = "p@ss/w:rd#?"
 QUOTED = "p%40ss%2Fw%3Ard%23%3F"
@@ -97,31 +97,6 @@ async def test_no_sentinel_answering_is_said_within_the_bound() -> None:
             await lookup.locate()
     finally:
         await lookup.aclose()
-
-
-class Locator:
-    """Answers where the test says the master is; counts the questions."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.asked = 0
-
-    async def locate(self) -> tuple[str, int]:
-        self.asked += 1
-        return "127.0.0.1", self.port
-
-    async def aclose(self) -> None:
-        pass
-
-
-@pytest.fixture
-def two(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
-    servers = [RedisServer(tmp_path).start(), RedisServer(tmp_path).start()]
-    try:
-        yield servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture
