@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from lives import Captured, config_text, one_life, recording, replay_lives
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
-from rediskit import STREAM, TAG, Delta, Snapshot, median, top_level_usec
+from rediskit import STREAM, TAG, Delta, Snapshot, median, sent_counts, top_level_usec
 
 from gateway.settings import parse_config
 from routing.admission import Admission
@@ -84,14 +84,17 @@ async def capture(
 def sent_per_master(
     store: ClusterStore, lives: Sequence[Captured], n: int
 ) -> dict[int, Counter[str]]:
-    """How many of each command N replays send each master (by port)."""
+    """How many of each command N replays send each master (by port); a transaction
+    counts as its MULTI and EXEC (EXEC's time includes its commands')."""
     sent: dict[int, Counter[str]] = {}
     for j, (batches, _) in enumerate(lives):
         times = n // len(lives) + (1 if j < n % len(lives) else 0)
         for command in (c for batch in batches for c in batch):
             node = store.node_of_slot(slot_of(command))
             assert node is not None, command  # a life sends keyed commands only
-            sent.setdefault(node[1], Counter())[str(command[0]).lower()] += times
+            sent.setdefault(node[1], Counter()).update(
+                sent_counts([[command]], times, top_level=True)
+            )
     return sent
 
 

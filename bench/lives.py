@@ -14,6 +14,7 @@ from rediskit import TAG
 
 from routing.admission import Admission
 from routing.store import Store
+from routing.wire import Transaction
 from tiers.usage import UsageRecord, cost_usd
 
 Command = tuple[Any, ...]
@@ -38,7 +39,7 @@ def recording(store: Any) -> Iterator[list[list[Command]]]:
     original = store.send
 
     def send(commands: Sequence[Sequence[Any]]) -> Any:
-        batches.append([tuple(c) for c in commands])
+        batches.append([c if isinstance(c, Transaction) else tuple(c) for c in commands])
         return original(commands)
 
     store.send = send
@@ -72,11 +73,13 @@ async def one_life(admission: Admission, plan: Any, account: str = TAG) -> str:
 def renamed(batches: list[list[Command]], lease_id: str, fresh: str) -> list[Command]:
     """The captured commands, flat, with `fresh` for the lease id wherever it appears (the
     scripts' arguments, the account entry, the record's attempt and its dedupe key)."""
-    return [
-        tuple(a.replace(lease_id, fresh) if isinstance(a, str) else a for a in command)
-        for batch in batches
-        for command in batch
-    ]
+    return [_renamed(command, lease_id, fresh) for batch in batches for command in batch]
+
+
+def _renamed(command: Command, lease_id: str, fresh: str) -> Command:
+    if isinstance(command, Transaction):
+        return Transaction(_renamed(c, lease_id, fresh) for c in command)
+    return tuple(a.replace(lease_id, fresh) if isinstance(a, str) else a for a in command)
 
 
 async def replay_lives(

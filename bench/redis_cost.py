@@ -118,7 +118,7 @@ def one_admission(batches: list[list[Command]], delta: Delta) -> dict[str, Any]:
         "commands_in_redis": delta.total_calls,
         "called_by_scripts": {k: v for k, v in sorted(inner.items()) if v > 0},
         # This request alone, its scripts run cold: the replays below give the steady cost.
-        "usec": round(top_level_usec(delta, sent), 1),
+        "usec": round(top_level_usec(delta, sent_counts(batches, top_level=True)), 1),
     }
 
 
@@ -127,7 +127,7 @@ async def rounds(
 ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """`count` rounds, each N lives then N no-ops: per admission, and per no-op call."""
     lives, idle_calls = [], []
-    sent = sent_counts(life[1], n)
+    sent = sent_counts(life[1], n, top_level=True)
     for r in range(count):
         delta = await measured(info, replay(life, n, batch, f"m{r}-"))
         lives.append({"usec": top_level_usec(delta, sent) / n, "cpu_usec": delta.cpu_s * 1e6 / n,
@@ -158,8 +158,13 @@ async def by_script(
         name = None
         if args[0].upper() == "EVALSHA" and len(args) > 1:
             name = shas.get(args[1])
-        elif args[0].upper() == "ZREM" and len(args) > 1 and args[1].startswith("gw:acct:"):
-            name = "ZREM account"
+        elif len(args) > 1 and args[1].startswith(("usage", "{usage}")):
+            # The record's first send: a transaction, whose EXEC the slow log skips; its SET
+            # and XADD are logged (once per life: the XADD counts the call).
+            name = "usage"
+            calls[name] += args[0].upper() == "XADD"
+            total[name] += usec
+            continue
         if name is not None:
             total[name] += usec
             calls[name] += 1
@@ -202,7 +207,7 @@ async def idle(
             "round_trips": round(len(window) / per, 3),
             "commands_sent": round(sum(sent.values()) / per, 3),
             "commands_in_redis": round(delta.total_calls / per, 2),
-            "usec": round(top_level_usec(delta, sent) / per, 2),
+            "usec": round(top_level_usec(delta, sent_counts(window, top_level=True)) / per, 2),
         },
     }
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.wire import Transaction, unfolded
+
 # Every name the benchmark writes under: models, account, replicas, request ids.
 TAG = "bench-cost"
 STREAM = "usage"
@@ -82,9 +84,22 @@ def top_level_usec(delta: Delta, sent: Counter[str]) -> float:
     return usec
 
 
-def sent_counts(batches: Sequence[Sequence[Any]], times: int = 1) -> Counter[str]:
-    return Counter({n: c * times for n, c in Counter(str(cmd[0]).lower() for b in batches
-                                                      for cmd in b).items()})  # fmt: skip
+def sent_counts(
+    batches: Sequence[Sequence[Any]], times: int = 1, *, top_level: bool = False
+) -> Counter[str]:
+    """Commands sent by name (a transaction's MULTI, commands and EXEC each count).
+    `top_level`: without a transaction's own commands, whose time EXEC's includes (as a
+    script's includes the commands it calls)."""
+    names = Counter(
+        str(one[0]).lower()
+        for b in batches
+        for cmd in b
+        for one in (_EXEC_ONLY if top_level and isinstance(cmd, Transaction) else unfolded(cmd))
+    )
+    return Counter({n: c * times for n, c in names.items()})
+
+
+_EXEC_ONLY = [("MULTI",), ("EXEC",)]
 
 
 def median(rows: list[dict[str, float]], key: str) -> float:

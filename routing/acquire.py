@@ -18,7 +18,7 @@ from routing.affinity import rendezvous
 from routing.handback import Handback
 from routing.plan import Candidate
 from routing.scripts import first_error
-from routing.slots import GRANTED, QUEUED, Attempt, Timing, attempt
+from routing.slots import ACCOUNT_FULL, GRANTED, QUEUED, Attempt, Timing, attempt
 from routing.waiting import Waiting
 from tiers.policy import Tier
 
@@ -78,13 +78,14 @@ class Acquire:
             self.scripts.send(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
-        if with_account and not isinstance(replies[0], Exception) and int(replies[0]) == 1:
+        if with_account and _took_account(replies):
             walk.has_account = True
             self.holdings.walking[walk.lease_id] = walk.akey
         if (error := first_error(replies)) is not None:
-            self.handback.give_back(
-                walk.lease_id, model, None
-            )  # what the other call took goes back
+            # What the other call took goes back; a single call's own part too (a script
+            # that failed midway keeps what it wrote before).
+            account = walk.akey if with_account and len(replies) == 1 else None
+            self.handback.give_back(walk.lease_id, model, account)
             raise error
         result = attempt(replies[-1])
         if not walk.has_account:
@@ -95,7 +96,10 @@ class Acquire:
 
     def _calls(self, walk: Walk, cand: Candidate, tier: Tier) -> list[Any]:
         calls: list[Any] = []
-        if not walk.has_account:
+        account = None
+        if not walk.has_account and self.store.one_node:
+            account = (walk.akey, walk.limit)  # taken by the acquire script itself
+        elif not walk.has_account:
             ttl = self.timing.lease_ttl_ms
             calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
         model = cand.model.name
@@ -107,7 +111,22 @@ class Acquire:
             preferred = rendezvous(walk.cache_key, self.slots[model].urls)
         calls.append(
             self.slots[model].acquire(
-                walk.lease_id, tier, may_wait=cand.may_wait, affinity=preferred
+                walk.lease_id,
+                tier,
+                may_wait=cand.may_wait,
+                affinity=preferred,
+                account=account,
             )
         )
         return calls
+
+
+def _took_account(replies: list[Any]) -> bool:
+    """Whether the account's entry was taken: by the account script (two calls), or by the
+    acquire script itself (one call, on one Redis)."""
+    reply = replies[0]
+    if isinstance(reply, Exception):
+        return False
+    if len(replies) == 2:
+        return int(reply) == 1
+    return int(reply[0]) != ACCOUNT_FULL

@@ -36,7 +36,7 @@ from redis.exceptions import DataError, RedisError, ResponseError
 from routing.futures import chain
 from routing.resp import NotSent
 from routing.slotmap import EVERY, Node, redirect_of, slot_of
-from routing.wire import Command
+from routing.wire import Command, Transaction
 
 if TYPE_CHECKING:
     from routing.store import Store
@@ -54,6 +54,9 @@ MAX_PAUSE_S = 0.1
 def _check_encodable(commands: Sequence[Command]) -> None:
     # Before any part leaves: a batch is sent whole or not at all.
     for command in commands:
+        if isinstance(command, Transaction):
+            _check_encodable(command)
+            continue
         for arg in command:
             if isinstance(arg, str):
                 arg.encode()
@@ -84,6 +87,7 @@ class ClusterStore:
         self.redirects: Counter[str] = Counter()
         # Slot maps in which a slot's master was gone (failed over): see `Store.moves`.
         self.moves: int | None = 0
+        self.one_node = False
 
     # --- sending -------------------------------------------------------------------------
 

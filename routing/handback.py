@@ -17,7 +17,7 @@ from typing import Any
 
 from routing.estimate import RetryAfter
 from routing.holdings import Holdings, Lease
-from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, record_call
+from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, first_record_call
 from routing.recent import Recent
 from routing.resp import NotSent
 from routing.scripts import STORE_ERRORS, Scripts, first_error
@@ -70,10 +70,10 @@ class Handback:
             self._spool(usage)
             released.set_result(None)
             return released
-        calls = [self.slots[lease.model].release([lease.id]), ("ZREM", [lease.account], [lease.id])]
+        calls = self._release_calls(lease)
         if usage is not None:
             retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
-            calls.append(record_call(usage, retention))
+            calls.append(first_record_call(usage, retention))
         sent = self.scripts.send(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
@@ -89,7 +89,8 @@ class Handback:
     ) -> None:
         failed = None if sent.cancelled() else sent.exception()
         replies = None if sent.cancelled() or failed else sent.result()
-        if replies is None or (failed := first_error(replies[:2])) is not None:
+        held = None if replies is None else replies[: len(replies) - (usage is not None)]
+        if held is None or (failed := first_error(held)) is not None:
             self.holdings.doubt(lease.id, lease.model, lease.account)  # the sweeps retry it
             if failed is not None:
                 self.store_errors.report(failed, "release")
@@ -101,6 +102,13 @@ class Handback:
             self.recent.took(usage)
         if not released.done():
             released.set_result(None)
+
+    def _release_calls(self, lease: Lease) -> list[Any]:
+        """The slot and the account's entry: one call on one Redis, else one per node."""
+        slots = self.slots[lease.model]
+        if self.store.one_node:
+            return [slots.release([lease.id], lease.account)]
+        return [slots.release([lease.id]), ("ZREM", [lease.account], [lease.id])]
 
     def _spool(self, usage: Mapping[str, str] | None) -> None:
         if usage is not None and self.spool is not None:

@@ -37,7 +37,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from routing.wire import Command, pack, reply_error, set_keepalive
+from routing.futures import chain
+from routing.wire import Command, fold, pack, replies_of, reply_error, set_keepalive
 
 # Far above what a healthy Redis ever has in flight from one replica (it runs 10,000 small
 # scripts in well under a second, and a request has at most a couple of calls out), yet small
@@ -232,6 +233,7 @@ class RespClient:
         self._at: tuple[str, int] | None = None  # where the locator said the master was
         # Times the locator named another master than the last one connected to.
         self.moves: int | None = None if locator is None else 0
+        self.one_node = True
 
     @staticmethod
     def supports(url: str) -> bool:
@@ -248,11 +250,16 @@ class RespClient:
             failed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
             failed.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
             return failed
+        count = replies_of(commands)
         protocol = self._protocol
         if protocol is not None and not protocol.closed:
-            return protocol.send(payload, len(commands))
-        deadline = asyncio.get_running_loop().time() + self._timeout
-        return asyncio.ensure_future(self._send_connecting(payload, len(commands), deadline))
+            sent = protocol.send(payload, count)
+        else:
+            deadline = asyncio.get_running_loop().time() + self._timeout
+            sent = asyncio.ensure_future(self._send_connecting(payload, count, deadline))
+        if count == len(commands):
+            return sent
+        return _folded(commands, sent)
 
     async def _send_connecting(self, payload: bytes, count: int, deadline: float) -> list[Any]:
         # The wait for a connection counts against the call's own deadline.
@@ -357,6 +364,22 @@ class RespClient:
         if self._protocol is not None:
             self._protocol.abort(RedisConnectionError("client closed"))
             self._protocol = None
+
+
+def _folded(
+    commands: Sequence[Command], sent: asyncio.Future[list[Any]]
+) -> asyncio.Future[list[Any]]:
+    """One reply per command, a transaction's replies folded into one (routing/wire.py)."""
+    outer: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+
+    def done(sent: asyncio.Future[list[Any]]) -> None:
+        if sent.cancelled() or sent.exception() is not None:
+            chain(outer, sent)
+        elif not outer.done():
+            outer.set_result(fold(commands, sent.result()))
+
+    sent.add_done_callback(done)
+    return outer
 
 
 def _master_role(reply: Any) -> None:

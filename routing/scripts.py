@@ -26,20 +26,32 @@ from redis.exceptions import NoScriptError, RedisError
 from routing.futures import chain
 from routing.resp import NotSent
 from routing.store import Store
+from routing.wire import Command, Transaction
 
 # One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
-# Redis command (e.g. ZREM) with KEYS and ARGV as its arguments.
+# Redis command (e.g. ZREM) with KEYS and ARGV as its arguments; `TRANSACTION` with no KEYS
+# and calls as ARGV runs those all or none (routing/wire.py `Transaction`), one reply.
 Call = tuple[str, Sequence[str], Sequence[Any]]
+TRANSACTION = "MULTI"
 
 # What a failed call raises: Redis did not do it, or may not have (the outage answers).
 STORE_ERRORS = (RedisError, OSError)
 
-_PRELUDED = ("acquire", "release", "cancel", "claim", "sweep", "move")
-_PLAIN = ("account", "account_keep", "heartbeat", "usage")
+_PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move")
+_PLAIN = ("account_keep", "heartbeat", "usage")
+# Where a script wants the prelude's rest (routing/lua/prelude.lua).
+REST = "-- @rest\n"
 
 
 def _lua(name: str) -> str:
     return resources.files("routing").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def _assembled(core: str, rest: str, body: str) -> str:
+    """The prelude's core, then the script's common case, the prelude's rest at the
+    script's `-- @rest` line (or at its start), then the script's other cases."""
+    first, marked, then = body.partition(REST)
+    return core + (first + rest + then if marked else rest + body)
 
 
 def first_error(replies: Sequence[Any]) -> Exception | None:
@@ -48,8 +60,8 @@ def first_error(replies: Sequence[Any]) -> Exception | None:
 
 class Scripts:
     def __init__(self) -> None:
-        prelude = _lua("prelude.lua")
-        self._text = {n: prelude + _lua(f"{n}.lua") for n in _PRELUDED}
+        core, rest = _lua("prelude.lua").split(REST)
+        self._text = {n: _assembled(core, rest, _lua(f"{n}.lua")) for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
 
@@ -111,11 +123,13 @@ class Scripts:
             merged[i] = reply
         return merged
 
-    def _commands(self, calls: Sequence[Call]) -> list[list[Any]]:
-        commands = []
+    def _commands(self, calls: Sequence[Call]) -> list[Command]:
+        commands: list[Command] = []
         for name, keys, args in calls:
             sha = self.sha.get(name)
-            if sha is None:
+            if name == TRANSACTION:
+                commands.append(Transaction(self._commands(args)))
+            elif sha is None:
                 commands.append([name, *keys, *args])
             else:
                 commands.append(["EVALSHA", sha, len(keys), *keys, *args])

@@ -10,7 +10,7 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from routing.wire import Command
+from routing.wire import Command, Transaction
 
 Node = tuple[str, int]  # (host, port)
 ANY = -1  # a keyless command: any master answers it
@@ -31,7 +31,10 @@ def _key_slot(key: Any) -> int:
 
 
 def slot_of(command: Command) -> int:
-    """The hash slot of the command's first key, or `ANY` / `EVERY`."""
+    """The hash slot of the command's first key, or `ANY` / `EVERY` (a transaction's: its
+    first command's; all its keys share one slot)."""
+    if isinstance(command, Transaction):
+        return slot_of(command[0])
     name = _name(command)
     if name in _SCRIPTED:
         numkeys = int(command[2])

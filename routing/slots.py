@@ -13,7 +13,7 @@ from typing import Any
 from routing.scripts import Call
 from tiers.policy import BY_RANK, Tier
 
-GRANTED, QUEUED, BUSY, FULL = 1, 2, 0, -1
+GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL = 1, 2, 0, -1, -2
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
 RANK = 10**15
 
@@ -130,8 +130,11 @@ class ModelSlots:
         # Ties in load go to the first endpoint listed: acquires take turns at the order.
         self._rotations = [self._args(self.urls[i:] + self.urls[:i]) for i in range(len(self.urls))]
         self._turn = 0
-        # The tail every pumping script takes: claim time, channel, ceilings, endpoints.
-        self._pump = [self._timing.claim_ms, self.channel, *self._ceilings, *self._endpoints]
+        # What every pumping script needs to hand slots on, in one argument the scripts read
+        # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, endpoints.
+        self._pump_spec = " ".join(
+            map(str, [self._timing.claim_ms, *self._ceilings, *self._endpoints])
+        )
 
     def _args(self, urls: Sequence[str]) -> list[Any]:
         args: list[Any] = [len(urls)]
@@ -147,9 +150,12 @@ class ModelSlots:
         *,
         may_wait: bool,
         affinity: Sequence[str] | None = None,
+        account: tuple[str, int] | None = None,
     ) -> Call:
         """`affinity`: take the first of these endpoints with room (prefix-cache order);
-        else the least loaded of all."""
+        else the least loaded of all. `account` (its key and limit, on one Redis only: the
+        call then touches two hash tags): take the account's own slot first, or nothing
+        (`ACCOUNT_FULL`)."""
         mode, endpoints = "least", self._endpoints
         if self._rotations:
             self._turn = (self._turn + 1) % len(self._rotations)
@@ -157,14 +163,20 @@ class ModelSlots:
         if affinity:
             mode, endpoints = "first", self._args([u for u in affinity if u in self._spec])
         t = self._timing
-        args = [lease_id, t.lease_ttl_ms, tier.rank, int(may_wait), self.max_queue,
-                t.waiter_ttl_ms, self.channel, mode, t.claim_ms,
-                *self._ceilings, *endpoints, int(self.known), t.rebuild_ms]  # fmt: skip
-        return ("acquire", self.keys, args)
+        rest = (
+            f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms}"
+        )
+        args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank], mode,
+                *endpoints, self.channel, self._pump_spec, rest]  # fmt: skip
+        if account is None:
+            return ("acquire", self.keys, args)
+        return ("acquire", [*self.keys, account[0]], [*args, account[1]])
 
-    def release(self, ids: Sequence[str]) -> Call:
-        """Give these leases back, or take these waiters out of the queue (idempotent)."""
-        return ("release", self.keys, [*self._pump, len(ids), *ids])
+    def release(self, ids: Sequence[str], account: str | None = None) -> Call:
+        """Give these leases back, or take these waiters out of the queue (idempotent);
+        with `account` (on one Redis only), its entries for them too."""
+        keys = self.keys if account is None else [*self.keys, account]
+        return ("release", keys, [self.channel, self._pump_spec, len(ids), *ids])
 
     def cancel(self, waiter_id: str) -> Call:
         """Reply: '' if the waiter was still queued (now removed), else its granted endpoint."""
@@ -179,8 +191,8 @@ class ModelSlots:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
         it has queued (id, place)."""
         t = self._timing
-        args: list[Any] = [t.lease_ttl_ms, t.claim_ms, t.waiter_ttl_ms, self.channel,
-                           *self._ceilings, *self._endpoints, len(leases)]  # fmt: skip
+        args: list[Any] = [t.lease_ttl_ms, t.waiter_ttl_ms, self.channel, self._pump_spec,
+                           len(leases)]  # fmt: skip
         for pair in leases:
             args += pair
         args.append(len(waiters))

@@ -21,7 +21,7 @@ from routing import sentinel
 from routing.cluster import ClusterStore
 from routing.resp import RespClient
 from routing.storeerrors import Cause, cause_of
-from routing.wire import Command, keepalive_options
+from routing.wire import Command, fold, keepalive_options, unfolded
 
 log = logging.getLogger("gateway.store")
 
@@ -82,6 +82,9 @@ class Store(Protocol):
     # How many times the store moved to another master (Sentinel); None where it cannot
     # tell. A write the old master took may be gone after a move (routing/ledger.py).
     moves: int | None
+    # Whether every key is on one server, so that one script may touch keys of several hash
+    # tags (a model's and an account's): not on a Cluster.
+    one_node: bool
 
 
 class RedisPyStore:
@@ -90,6 +93,7 @@ class RedisPyStore:
     The client is its owner's: `aclose` leaves it open."""
 
     moves: int | None = None
+    one_node = True
 
     def __init__(self, client: aioredis.Redis, timeout_s: float | None) -> None:
         self.client = client
@@ -104,8 +108,9 @@ class RedisPyStore:
             async with asyncio.timeout(self.timeout_s):
                 pipe = self.client.pipeline(transaction=False)
                 for command in commands:
-                    pipe.execute_command(*command)
-                return list(await pipe.execute(raise_on_error=False))
+                    for one in unfolded(command):
+                        pipe.execute_command(*one)
+                return fold(commands, list(await pipe.execute(raise_on_error=False)))
         except UnicodeError as exc:  # raised before anything is written: not an outage
             raise DataError(f"cannot encode a Redis argument: {exc}") from exc
 

@@ -50,7 +50,9 @@ def test_quick_run_reports_every_figure_and_leaves_no_key(private_redis: RedisSe
     assert cost["target_ratio"] == 25
 
     by = results["by_script"]
-    assert {"account", "acquire", "release", "usage", "noop"} <= set(by["scripts"])
+    # On one Redis the account's slot is taken by the acquire script itself, and the record
+    # is a transaction (EXEC).
+    assert {"acquire", "release", "usage", "noop"} <= set(by["scripts"])
     assert all(row["calls_per_admission"] == 1 for row in by["scripts"].values())
     assert results["left_after_replay"] == {"leases": 0, "queued": 0, "account_entries": 0}
 

@@ -1,38 +1,53 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
--- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 may_wait (0|1), 5 max_queue, 6 waiter_ttl_ms,
---       7 channel, 8 mode ('least'|'first'), 9 claim_ms, 10.. ceilings (n, then one per
---       tier, best first), then endpoints (n, then url, max, penalty triples), then known (0|1: this
---       replica has seen the model's state before) and rebuild_ms (see `lost`)
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling, 5 mode ('least'|'first'),
+--       6.. endpoints (n, then url, max, penalty triples, in the order `pick` tries them),
+--       then the channel, the spec (prelude: `parse_spec`), and in one argument
+--       "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" (known: this replica has
+--       seen the model's state before, 0|1; see `lost`); with KEYS[10], then the account's
+--       limit.
+-- The common case reads only the first six and the endpoints: an argument costs a script
+-- about 75 ns whether it reads it or not, so the others come packed.
 -- Returns {status, endpoint, inflight, ahead, seq, rebuild}: status 1 granted, 2 queued
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
--- tier); rebuild = ms left of the rebuild window when that is why it is busy, else 0.
+-- tier), -2 the account is at its limit; rebuild = ms left of the rebuild window when that
+-- is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
+-- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued.
+redis.call('ZREM', KEYS[2], id)
+-- On one Redis a walk's first try takes the account's own slot here too: KEYS[10] is its
+-- key, the last argument its limit (on a Cluster, account.lua does it in the same round
+-- trip). At the limit nothing is taken: status -2.
+if KEYS[10] then
+  local limit = tonumber(ARGV[10 + 3 * tonumber(ARGV[6])])
+  if not take_account(KEYS[10], id, limit, ttl, now) then return {-2, '', 0, 0, 0, 0} end
+end
 -- The common case costs a few reads: room for the tier, nobody queued, the model's state
 -- known and no rebuild. Then there is nothing to pump, and leases that expired meanwhile
 -- (a replica died) only make the model look fuller until the sweep reclaims them.
 if redis.call('ZCARD', KEYS[2]) == 0 then
   local inflight = redis.call('ZCARD', KEYS[1])
   local marks = redis.call('MGET', KEYS[9], KEYS[8])
-  if marks[1] and not marks[2] and inflight < tonumber(ARGV[11 + rank]) then
-    local ep = pick(11 + tonumber(ARGV[10]), ARGV[8])
+  if marks[1] and not marks[2] and inflight < tonumber(ARGV[4]) then
+    local ep = pick(ARGV, 6, ARGV[5])
     if ep then
-      redis.call('ZREM', KEYS[2], id)  -- the first write, not `denyoom` (prelude: `expire`)
       grant(id, ep, now + ttl)
       return {1, ep, inflight + 1, 0, 0, 0}
     end
   end
 end
-local ceilings, after = ceilings_at(10)
-local eps, at = endpoints(after)
+-- @rest
+local at = 7 + 3 * tonumber(ARGV[6])
+local claim, ceilings, spec, spec_eps = parse_spec(ARGV[at + 1])
+local may_wait, max_queue, waiter_ttl, known, rebuild_ms = unpack(words(ARGV[at + 2]))
 expire(now)
-lost(now, ARGV[at], ARGV[at + 1])
-pump(now, tonumber(ARGV[9]), ceilings, eps, ARGV[7])
+lost(now, known, rebuild_ms)
+pump(now, claim, ceilings, spec, spec_eps, ARGV[at])
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first.
 local inflight = redis.call('ZCARD', KEYS[1])
 if inflight < ceilings[rank + 1] and not rebuilding() then
-  local ep = pick(eps, ARGV[8])
+  local ep = pick(ARGV, 6, ARGV[5])
   if ep then
     grant(id, ep, now + ttl)
     return {1, ep, inflight + 1, 0, 0, 0}
@@ -42,11 +57,11 @@ local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RA
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
 if rebuilding() then return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', KEYS[8]))} end
-if ARGV[4] ~= '1' then return {0, '', inflight, ahead, 0, 0} end
+if may_wait ~= '1' then return {0, '', inflight, ahead, 0, 0} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(ARGV[5]) then return {-1, '', inflight, ahead, 0, 0} end
+if ahead >= tonumber(max_queue) then return {-1, '', inflight, ahead, 0, 0} end
 local seq = redis.call('INCR', KEYS[5])
 redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
-redis.call('ZADD', KEYS[7], now + tonumber(ARGV[6]), id)
+redis.call('ZADD', KEYS[7], now + tonumber(waiter_ttl), id)
 return {2, '', inflight, ahead, seq, 0}

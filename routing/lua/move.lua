@@ -5,7 +5,7 @@
 local now = now_ms()
 expire(now)
 local id = ARGV[1]
-local ep = pick(endpoints(3), 'least')
+local ep = pick(ARGV, 3, 'least')
 if not ep then return '' end
 if not redis.call('ZSCORE', KEYS[1], id) then
   grant(id, ep, now + tonumber(ARGV[2]))  -- Redis lost it: written back where it goes now

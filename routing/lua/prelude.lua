@@ -1,4 +1,7 @@
--- Shared by the model scripts (prepended once when they are registered).
+-- Shared by the model scripts (prepended once when they are registered), in two parts: the
+-- functions a script's common case needs, then (at the script's `-- @rest` line, or before
+-- the script when it has none) the others. Lua makes each local function anew on every call
+-- (about 50 ns each), so the common case stops before the rest are made.
 -- Every key of one model shares the hash tag {model}, so each script touches one slot.
 -- KEYS[1] leases   ZSET lease_id -> expiry (ms, Redis TIME)
 -- KEYS[2] queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
@@ -36,6 +39,58 @@ local function drop_lease(id)
   return 1
 end
 
+-- The endpoint to take from a list of them in `src` (ARGV, or a spec: `parse_spec`) at
+-- index `eps`: n, then n triples (url, max_concurrency, penalty); the penalty (>= 0) is the
+-- worker's own load signal (queue, KV cache), 0 when not scraped. In 'first' mode the first
+-- with room (cache affinity order), else the least loaded relative to its size, plus its
+-- penalty. nil when every endpoint is full. One HMGET reads their loads.
+local function pick(src, eps, mode)
+  local n = tonumber(src[eps])
+  if n == 0 then return nil end
+  local urls = {}
+  for i = 1, n do urls[i] = src[eps + 3 * i - 2] end
+  local loads = redis.call('HMGET', KEYS[4], unpack(urls))
+  local best, best_score = nil, nil
+  for i = 1, n do
+    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i]) or 0
+    if load < size then
+      if mode == 'first' then return urls[i] end
+      local s = load / size + tonumber(src[eps + 3 * i])
+      if best == nil or s < best_score then best, best_score = urls[i], s end
+    end
+  end
+  return best
+end
+
+-- Take an id out of the queue (a no-op for an id never queued, but a write that is not
+-- `denyoom`: see `expire`).
+local function unqueue(id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[7], id)
+end
+
+local function grant(id, ep, expiry)
+  redis.call('ZADD', KEYS[1], score(expiry), id)
+  redis.call('HSET', KEYS[3], id, ep)
+  redis.call('HINCRBY', KEYS[4], ep, '1')
+end
+
+-- An account's own limit across replicas: `key` is gw:acct:{account}, a ZSET lease_id ->
+-- expiry. Takes an entry for `id` unless the account holds `limit` live ones (entries of
+-- replicas that died are reclaimed only when it looks full); true when taken. The key goes
+-- with its last entry: accounts of replicas that died leave nothing behind.
+local function take_account(key, id, limit, ttl, now)
+  if redis.call('ZCARD', key) >= limit then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', score(now))
+    if redis.call('ZCARD', key) >= limit then return false end
+  end
+  redis.call('ZADD', key, score(now + ttl), id)
+  redis.call('PEXPIRE', key, score(ttl))
+  return true
+end
+
+-- @rest
+
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
 -- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
 -- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
@@ -54,48 +109,6 @@ local function expire(now, waiting)
   local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
   for _, id in ipairs(gone) do drop_lease(id) end
   if #gone > 0 then redis.call('INCRBY', KEYS[6], score(#gone)) end
-end
-
--- Endpoints arrive as ARGV[from] = n, then n triples (url, max_concurrency, penalty); the
--- penalty (>= 0) is the worker's own load signal (queue, KV cache), 0 when not scraped.
--- They stay in ARGV (no table per call): `eps` is where they start. Returns it and the
--- index of the next argument.
-local function endpoints(from)
-  return from, from + 3 * tonumber(ARGV[from]) + 1
-end
-
--- The endpoint to take (`eps`: where they start in ARGV): in 'first' mode the first with
--- room (cache affinity order), else the least loaded relative to its size, plus its
--- penalty. nil when every endpoint is full. One HMGET reads their loads.
-local function pick(eps, mode)
-  local n = tonumber(ARGV[eps])
-  if n == 0 then return nil end
-  local urls = {}
-  for i = 1, n do urls[i] = ARGV[eps + 3 * i - 2] end
-  local loads = redis.call('HMGET', KEYS[4], unpack(urls))
-  local best, best_score = nil, nil
-  for i = 1, n do
-    local size, load = tonumber(ARGV[eps + 3 * i - 1]), tonumber(loads[i]) or 0
-    if load < size then
-      if mode == 'first' then return urls[i] end
-      local s = load / size + tonumber(ARGV[eps + 3 * i])
-      if best == nil or s < best_score then best, best_score = urls[i], s end
-    end
-  end
-  return best
-end
-
--- Take an id out of the queue (a no-op for an id never queued, but a write that is not
--- `denyoom`: see `expire`).
-local function unqueue(id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[7], id)
-end
-
-local function grant(id, ep, expiry)
-  redis.call('ZADD', KEYS[1], score(expiry), id)
-  redis.call('HSET', KEYS[3], id, ep)
-  redis.call('HINCRBY', KEYS[4], ep, '1')
 end
 
 -- The oldest waiter of the best tier that may take a slot now, or nil. A tier whose own
@@ -136,14 +149,15 @@ end
 
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
 -- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
--- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization.
-local function pump(now, claim, ceilings, eps, channel)
+-- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization;
+-- the endpoints are in `src` at `eps` (see `pick`).
+local function pump(now, claim, ceilings, src, eps, channel)
   if redis.call('ZCARD', KEYS[2]) == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
     local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings)
     if not id then break end
-    local ep = pick(eps, 'least')
+    local ep = pick(src, eps, 'least')
     if not ep then break end
     unqueue(id)
     grant(id, ep, now + claim)
@@ -165,10 +179,21 @@ local function hold(id, ep, expiry)
   return 1
 end
 
--- The tiers' ceilings, best tier first: ARGV[from] = how many tiers, then one ceiling each.
--- Returns them and the index of the argument after them.
-local function ceilings_at(from)
+-- Space-separated words (numbers, URLs: an endpoint URL never holds a space).
+local function words(s)
+  local t = {}
+  for word in string.gmatch(s, '%S+') do t[#t + 1] = word end
+  return t
+end
+
+-- What pumping needs, in one argument read only when someone waits (an argument costs a
+-- script about 75 ns whether read or not): "claim_ms n ceiling.. n url max penalty..", the
+-- tiers' ceilings best first. Returns claim_ms, the ceilings, and the words and index of
+-- the endpoints for `pick`.
+local function parse_spec(s)
+  local t = words(s)
+  local n = tonumber(t[2])
   local ceilings = {}
-  for i = 1, tonumber(ARGV[from]) do ceilings[i] = tonumber(ARGV[from + i]) end
-  return ceilings, from + #ceilings + 1
+  for i = 1, n do ceilings[i] = tonumber(t[2 + i]) end
+  return tonumber(t[1]), ceilings, t, 3 + n
 end

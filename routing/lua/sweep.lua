@@ -4,8 +4,7 @@
 --  3. keep its waiters alive in the queue, re-queue those Redis lost (original place), and
 --     claim those granted meanwhile (a wake-up message may have been lost);
 --  4. hand free slots on; 5. report the model's state.
--- ARGV: 1 ttl_ms, 2 claim_ms, 3 waiter_ttl_ms, 4 channel, 5.. ceilings (n, then one per
---       tier, best first), then endpoints,
+-- ARGV: 1 ttl_ms, 2 waiter_ttl_ms, 3 channel, 4 the spec (prelude: `parse_spec`),
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
 --       rebuild_ms: how long grants pause once this sweep had to write anything back, and
 --       known (0|1: this replica has seen the model's state before).
@@ -16,9 +15,9 @@ local now = now_ms()
 local waiting = redis.call('ZCARD', KEYS[2]) > 0
 expire(now, waiting)
 local marks = redis.call('MGET', KEYS[9], KEYS[6])  -- the state marker; slots freed so far
-local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[3])
-local ceilings, after = ceilings_at(5)
-local eps, at = endpoints(after)
+local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local claim, ceilings, spec, eps = parse_spec(ARGV[4])
+local at = 5
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
 lost(now, ARGV[tail + 1], ARGV[tail], marks[1] ~= false)
@@ -53,7 +52,7 @@ if #restored + requeued > 0 and not rebuilding() then
   redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
 waiting = waiting or requeued > 0
-if waiting then pump(now, tonumber(ARGV[2]), ceilings, eps, ARGV[4]) end
+if waiting then pump(now, claim, ceilings, spec, eps, ARGV[3]) end
 local function queued(rank)
   if not waiting then return 0 end
   return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))

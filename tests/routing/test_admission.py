@@ -674,8 +674,32 @@ async def test_cancel_during_the_timeout_check_gives_the_late_grant_back(fleet: 
     assert await fleet.leases("two") == 0
 
 
+async def test_concurrency_limit_on_one_redis_takes_no_slot(fleet: Fleet) -> None:
+    """On one Redis the acquire script takes the account's own slot first: at the limit it
+    takes nothing, so there is nothing to give back."""
+    adm = await fleet.admission()
+    assert adm.store.one_node
+    first = (await admit(adm, fleet.plan("two"), limit=1)).lease
+    sent: list[list[str]] = []
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        sent.append([name for name, _, _ in calls])
+        return await send()
+
+    intercept(adm, around)
+    await expect_limited(admit(adm, fleet.plan("two"), limit=1), "concurrency_limit")
+    assert sent == [["acquire"]]  # one call, and no give-back after it
+    assert await fleet.leases("two") == 1
+    await bounded(adm.release(first))
+    await bounded(adm.close())
+    assert await fleet.leases("two") == 0
+
+
+@pytest.mark.parametrize("fleet", ["cluster"], indirect=True)
 async def test_concurrency_limit_gives_the_slot_back_without_the_caller(fleet: Fleet) -> None:
-    """The 429 does not wait for the give-back; the give-back still runs to its end."""
+    """On a Cluster the account's slot is taken by its own script, on its own node, in the
+    same round trip as the model's: at the limit the model's slot goes back. The 429 does
+    not wait for the give-back; the give-back still runs to its end."""
     adm = await fleet.admission()
     first = (await admit(adm, fleet.plan("two"), limit=1)).lease
     giving_back = asyncio.Event()

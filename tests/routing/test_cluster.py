@@ -30,6 +30,7 @@ from routing.store import (
     start_problem,
     subscriber,
 )
+from routing.wire import Transaction
 from tests.conftest import REDIS_URL
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer, self_signed
@@ -157,6 +158,29 @@ async def test_a_moved_slot_is_followed_and_learned(
         # Once more, for a batch that goes to one node whole (no split).
         empty_cluster.move_slot(slot, empty_cluster.nodes[1])
         assert await bounded(store.send([["GET", key], ["SET", key, "b"]])) == [b"a", b"OK"]
+    finally:
+        empty_cluster.move_slot(slot, source)
+
+
+async def test_a_transaction_runs_whole_on_the_node_of_its_keys_and_follows_a_move(
+    store: ClusterStore, empty_cluster: RedisCluster
+) -> None:
+    """A usage record's first send (routing/ledger.py) is a MULTI block: it goes with its
+    keys' slot, in a batch split over the nodes, and a MOVED aborts it whole (EXECABORT)
+    before it is resent whole to the slot's new master."""
+    tags = tags_on_each_node(empty_cluster, "multi")
+    key, other = f"gw:{{{tags[0]}}}:k", f"gw:{{{tags[1]}}}:k"
+    block = Transaction([("SET", f"gw:{{{tags[0]}}}:a", "1"), ("INCR", key)])
+    replies = await bounded(store.send([["SET", other, "x"], block, ["GET", key]]))
+    assert replies == [b"OK", [b"OK", 1], b"1"]
+    slot = empty_cluster.slot(key)
+    source, target = empty_cluster.nodes[0], empty_cluster.nodes[2]
+    empty_cluster.move_slot(slot, target)
+    try:
+        replies = await bounded(store.send([block, ["SET", other, "y"]]))
+        assert replies == [[b"OK", 2], b"OK"]
+        assert direct_get(target, key) == b"2"  # ran once, on the new master
+        assert store.redirects["MOVED"] >= 1
     finally:
         empty_cluster.move_slot(slot, source)
 

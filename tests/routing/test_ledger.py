@@ -22,6 +22,7 @@ from routing.ledger import (
     StreamStats,
     UsageSettings,
     UsageSpool,
+    first_record_call,
     record_call,
     store_sender,
     trim_stream,
@@ -34,6 +35,12 @@ from routing.store import RedisPyStore, Store, connect
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
+
+
+def lean_store() -> RespClient:
+    """The hot path's client, on the run's Redis (the `usage_redis` fixture's)."""
+    return RespClient(REDIS_URL)
+
 
 CONFIG = """
 models:
@@ -130,22 +137,32 @@ def test_record_call_shape() -> None:
     name, keys, args = record_call(flat, 35 * DAY_S)
     assert name == "usage"
     assert list(keys) == ["usage", "{usage}:rid:r-9"]
-    retention_ms, remember_ms, *pairs = args
-    assert (retention_ms, remember_ms) == (35 * DAY_S * 1000, DEDUPE_MAX_S * 1000)
+    remember_ms, *pairs = args
+    assert remember_ms == DEDUPE_MAX_S * 1000
     assert pairs == ["request_id", "r-9", "account", "a", "user", ""]
+    # The first send: the same key and entry, all or none.
+    name, keys, (set_dedupe, xadd) = first_record_call({**flat, "attempt": "l-1"}, 35 * DAY_S)
+    assert (name, list(keys)) == ("MULTI", [])
+    assert set_dedupe == ("SET", ["{usage}:rid:r-9:l-1"], ["1", "PX", DEDUPE_MAX_S * 1000])
+    assert xadd[:2] == ("XADD", ["usage"])
 
 
 def test_ids_are_remembered_no_longer_than_the_retention() -> None:
     _, _, short = record_call(usage_fields(), 2.5)
-    assert list(short[:2]) == [2500, 2500]
+    assert short[0] == 2500
     _, _, long = record_call(usage_fields(), 35 * DAY_S)
-    assert list(long[:2]) == [35 * DAY_S * 1000, DEDUPE_MAX_S * 1000]
+    assert long[0] == DEDUPE_MAX_S * 1000
+    _, _, (set_dedupe, _) = first_record_call(usage_fields(), 2.5)
+    assert list(set_dedupe[2]) == ["1", "PX", 2500]
 
 
 def test_record_call_carries_every_field() -> None:
     flat = usage_fields()
     _, _, args = record_call(flat, DAY_S)
-    pairs = list(args)[2:]
+    pairs = list(args)[1:]
+    assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == flat
+    _, _, (_, (_, _, xadd)) = first_record_call(flat, DAY_S)
+    pairs = list(xadd)[1:]
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == flat
 
 
@@ -178,24 +195,42 @@ async def test_a_reused_request_id_is_still_two_records(usage_redis: aioredis.Re
     assert await bounded(scripts.send(RedisPyStore(usage_redis, 2.0), calls)) == [1, 1, 0]
 
 
-async def test_an_append_trims_entries_older_than_the_retention(
-    node_per_entry: aioredis.Redis,
+@pytest.mark.parametrize("lean", [True, False], ids=["resp", "redis-py"])
+async def test_a_first_send_and_its_resends_make_one_entry(
+    usage_redis: aioredis.Redis, lean: bool
 ) -> None:
-    redis = node_per_entry
-    now = await redis_ms(redis)
-    await redis.xadd(USAGE_STREAM, {"old": "1"}, id="1-0")
-    await redis.xadd(USAGE_STREAM, {"recent": "1"}, id=f"{now - 10_000}-0")
-    scripts, store = Scripts(), RedisPyStore(redis, 2.0)
-    await bounded(scripts.call(store, record_call(usage_fields(RID_PREFIX + "a"), DAY_S)))
-    ids = [i.decode() for i, _ in await redis.xrange(USAGE_STREAM)]
-    assert ids[0] == f"{now - 10_000}-0"  # older than a day: gone; 10 s old: kept
-    assert len(ids) == 2
+    """The release sends a record once, as a transaction; the spool's resends (its reply was
+    lost) and a lost master's records go through the script, which finds the dedupe key."""
+    scripts = Scripts()
+    store = lean_store() if lean else RedisPyStore(usage_redis, 2.0)
+    flat = {**usage_fields(), "attempt": "lease-1"}
+    try:
+        (first,) = await bounded(scripts.send(store, [first_record_call(flat, 35 * DAY_S)]))
+        assert first[0] in (b"OK", "OK", True) and first[1]  # EXEC's replies: SET, XADD's id
+        assert await bounded(scripts.send(store, [record_call(flat, 35 * DAY_S)])) == [0]
+        assert await entries(usage_redis) == [flat]
+        ttl = await usage_redis.ttl("{usage}:rid:" + flat["request_id"] + ":lease-1")
+        assert DEDUPE_MAX_S - 60 < ttl <= DEDUPE_MAX_S
+    finally:
+        await store.aclose()
 
-    # retention_days 0.00002 (1.7 s): the next append leaves only what is younger.
-    await bounded(scripts.call(store, record_call(usage_fields(RID_PREFIX + "b"), 1.728)))
-    left = await redis.xrange(USAGE_STREAM)
-    assert all(int(i.decode().partition("-")[0]) >= now for i, _ in left)
-    assert [d[b"request_id"].decode() for _, d in left] == [RID_PREFIX + "a", RID_PREFIX + "b"]
+
+async def test_a_refused_first_send_writes_nothing(usage_redis: aioredis.Redis) -> None:
+    """A command Redis refuses while queuing the transaction (OOM at maxmemory, MOVED; here a
+    wrong argument count) aborts it whole: no dedupe key is left to hide the record from its
+    resend, and the connection stays in step for the calls after it."""
+    scripts, store = Scripts(), lean_store()
+    flat = usage_fields()
+    _, _, (set_dedupe, _) = first_record_call(flat, DAY_S)
+    broken = ("MULTI", [], [set_dedupe, ("XADD", [USAGE_STREAM], [])])
+    try:
+        reply, pong = await bounded(scripts.send(store, [broken, ("PING", [], [])]))
+        assert pong in (b"PONG", "PONG")
+        assert isinstance(reply, ResponseError) and "xadd" in str(reply).lower()
+        assert await usage_redis.exists(set_dedupe[1][0]) == 0
+        assert await bounded(scripts.send(store, [record_call(flat, DAY_S)])) == [1]
+    finally:
+        await store.aclose()
 
 
 # --- the spool round: trimming and the stream's gauges ----------------------------------------
@@ -360,7 +395,7 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
     monkeypatch.setattr(adm.scripts, "send", spy)
     flat = usage_fields()
     await bounded(adm.release(admitted.lease, flat))
-    assert sent == [["release", "ZREM", "usage"]]
+    assert sent == [["release", "MULTI"]]  # the account entry goes with the slot (one Redis)
     assert await usage_redis.zcard("gw:{m}:leases") == 0
     assert await usage_redis.zcard(admitted.lease.account) == 0
     assert await entries(usage_redis) == [{**flat, "attempt": admitted.lease.id}]
