@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import baseline  # noqa: E402
 import harness  # noqa: E402
 import soak  # noqa: E402
+import spy  # noqa: E402
 import streams  # noqa: E402
 import verdict  # noqa: E402
 
@@ -122,6 +123,10 @@ def parse_args() -> argparse.Namespace:
         "--nginx-cpu", default=harness.OTHERS_CPU,
         help="the CPU of the nginx hop (default: the upstream's and wrk's, %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", type=int, metavar="SECONDS",
+        help="after the rounds, a py-spy profile of the gateway at c=32 for that long",
+    )  # fmt: skip
     parser.add_argument("--soak", type=int, metavar="SECONDS", help="only the RSS soak at c=32")
     parser.add_argument("--soak-every", type=float, default=10, help="seconds between samples")
     parser.add_argument("--out", type=Path, help="results file (default bench/results/<date>.json)")
@@ -190,6 +195,10 @@ def measure(tmp: Path, hops: list[Hop], script: Path, args: Any) -> dict[str, An
     gw = next(hop.proc for hop in hops if hop.name == "gateway" and hop.proc)
     results["fail_fast_429_c1"] = fail_fast(tmp, gw, args.seconds)
     results["gateway_rss_mib"] = round(gw.rss_mib(), 1)
+    if args.profile:
+        stacks = ROOT / "bench" / "results" / "tmp" / f"profile-{dt.date.today().isoformat()}.txt"
+        stacks.parent.mkdir(exist_ok=True)
+        results["profile"] = spy.record(gw, script, args.profile, stacks)
     return results
 
 
@@ -306,6 +315,8 @@ def print_tables(results: dict[str, Any]) -> None:
     print(f"targets (baseline: {base['rev']} = {base['commit']}):" if base["rev"] else "targets:")
     print("\n".join(verdict.check_lines(results["targets"])))
     print("all targets met:", "yes" if results["all_targets_met"] else "no")
+    if "profile" in results:
+        spy.print_profile(results["profile"])
 
 
 def write_soak(results: dict[str, Any], out: Path | None) -> None:

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import harness
+import spy
 import verdict
 
 
@@ -118,3 +119,24 @@ def test_wrk_output_is_read() -> None:
     run = harness.parse_wrk(WRK_OUTPUT)
     assert (run.rps, run.requests, run.non_2xx) == (2560.0, 5120, 3)
     assert (run.p50_ms, run.p99_ms) == (0.412, 2.5)
+
+
+STACKS = """\
+<module> (gateway/__main__.py:5);run (asyncio/runners.py:118) 10
+<module> (gateway/__main__.py:5);run (asyncio/runners.py:118);_run (asyncio/events.py:84);\
+handle (gateway/route.py:40);dumps (json/__init__.py:231) 20
+<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);send (routing/resp.py:90) 30
+<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);post (gateway/hop.py:12);\
+_request (aiohttp/client.py:500);shield (asyncio/tasks.py:900) 40
+"""
+
+
+def test_a_profile_sample_counts_for_the_innermost_known_part() -> None:
+    assert spy.by_part(STACKS) == {
+        "aiohttp (the hop to workers)": 40.0,  # its asyncio call counts for it
+        "the Redis client": 30.0,
+        "the gateway's own Python": 20.0,  # json for the route that called it
+        "the event loop": 10.0,
+    }
+    top = spy.top_self(STACKS, 2)
+    assert top == [("shield (asyncio/tasks.py)", 40.0), ("send (routing/resp.py)", 30.0)]
