@@ -182,13 +182,14 @@ def measure(tmp: Path, hops: list[Hop], script: Path, args: Any) -> dict[str, An
     c32: dict[str, list[dict[str, float]]] = {hop.name: [] for hop in hops}
     c1: dict[str, list[tuple[float, float]]] = {hop.name: [] for hop in hops}
     timings = {hop.name: streams.Timings() for hop in hops}
-    for _ in range(args.rounds):
-        for hop in hops:
+    for i in range(args.rounds):
+        order = hops if i % 2 == 0 else hops[::-1]  # no target always first or last
+        for hop in order:
             c32[hop.name].append(throughput(hop, script, args.seconds))
-        for hop in hops:
+        for hop in order:
             run = harness.wrk(url(hop), script, 1, max(3, args.seconds // 2))
             c1[hop.name].append((run.p50_ms, run.p99_ms))
-        for hop in hops:
+        for hop in order:
             time_streams(hop, args.streams, timings[hop.name])
     results = summarise(args.rounds, c32, c1)
     results["stream_64_chunks"] = {name: t.summary() for name, t in timings.items()}
@@ -275,6 +276,7 @@ def report(results: dict[str, Any], out: Path | None) -> None:
                 stream[name]["ttfb_p50_ms"], stream["direct"]["ttfb_p50_ms"]
             )
     results["targets"] = verdict.checks(results)
+    results["requests_per_cpu_second_vs_baseline"] = verdict.efficiency_vs_baseline(results)
     results["all_targets_met"] = all(
         row["verdict"] == verdict.PASS for row in results["targets"].values()
     )
@@ -315,6 +317,9 @@ def print_tables(results: dict[str, Any]) -> None:
     print(f"targets (baseline: {base['rev']} = {base['commit']}):" if base["rev"] else "targets:")
     print("\n".join(verdict.check_lines(results["targets"])))
     print("all targets met:", "yes" if results["all_targets_met"] else "no")
+    efficiency = results["requests_per_cpu_second_vs_baseline"]
+    if efficiency is not None:
+        print(f"  cross-check: requests per CPU-second, gateway / baseline: {efficiency}")
     if "profile" in results:
         spy.print_profile(results["profile"])
 

@@ -90,6 +90,16 @@ def checks(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def efficiency_vs_baseline(results: dict[str, Any]) -> float | None:
+    """Requests per CPU-second of the gateway over the baseline's (the baseline's CPU per
+    request / the gateway's): the 2x comparison read from CPU time, which other jobs on the
+    machine disturb far less than req/s (not a target, a cross-check)."""
+    tp = results["throughput_c32"]
+    if "baseline" not in tp:
+        return None
+    return ratio(tp["baseline"]["cpu_ms_per_request"], tp["gateway"]["cpu_ms_per_request"])
+
+
 def check_lines(found: dict[str, dict[str, Any]]) -> list[str]:
     """The printed summary of `checks`, one line per target."""
     lines = []

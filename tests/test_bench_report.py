@@ -54,6 +54,7 @@ def test_each_target_is_a_ratio_of_what_the_hops_add() -> None:
     speed = found["rps_c32_vs_baseline"]
     assert speed["ratio"] == 2.5 and speed["target"] == ">= 2"
     assert speed["verdict"] == verdict.PASS
+    assert verdict.efficiency_vs_baseline(results()) == 1.25  # 0.5 / 0.4 ms per request
 
 
 def test_the_limits_themselves_pass() -> None:
@@ -68,6 +69,7 @@ def test_no_baseline_or_a_hop_that_adds_nothing_is_not_a_verdict() -> None:
     found = verdict.checks(results(baseline_rps=None))
     assert found["rps_c32_vs_baseline"]["ratio"] is None
     assert found["rps_c32_vs_baseline"]["verdict"] == verdict.UNKNOWN
+    assert verdict.efficiency_vs_baseline(results(baseline_rps=None)) is None
     assert verdict.ratio(1.0, 0.0) is None
     assert verdict.ratio(1.0, -0.01) is None
     assert verdict.ratio(None, 1.0) is None
