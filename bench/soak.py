@@ -26,7 +26,10 @@ def soak(gw: harness.Proc, script: Path, seconds: int, every: float) -> dict[str
             with contextlib.suppress(subprocess.TimeoutExpired):
                 load.wait(timeout=every)  # returns early when wrk is done
         out = load.stdout.read() if load.stdout else ""
-    samples.append((round(time.monotonic() - start, 1), round(gw.rss_mib(), 2)))
+    last = (round(time.monotonic() - start, 1), round(gw.rss_mib(), 2))
+    if samples and samples[-1][0] > last[0] - 1:  # one taken just as wrk ended: this instead
+        samples.pop()
+    samples.append(last)
     if load.returncode != 0:
         raise RuntimeError(f"wrk exited {load.returncode}: {out[-1500:]}")
     run = harness.parse_wrk(out)
