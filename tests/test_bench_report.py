@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import baseline
 import harness
 import spy
 import verdict
@@ -142,3 +143,15 @@ def test_a_profile_sample_counts_for_the_innermost_known_part() -> None:
     }
     top = spy.top_self(STACKS, 2)
     assert top == [("shield (asyncio/tasks.py)", 40.0), ("send (routing/resp.py)", 30.0)]
+
+
+def test_a_baseline_tree_must_supply_the_packages_itself(tmp_path: Path) -> None:
+    # Its own gateway, routing and tiers are used; without them the editable install would
+    # answer with this checkout's, which the harness refuses.
+    for name in baseline.PACKAGES:
+        (tmp_path / "tree" / name).mkdir(parents=True)
+        (tmp_path / "tree" / name / "__init__.py").write_text("")
+    baseline.check_imports(tmp_path / "tree")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="load from this checkout"):
+        baseline.check_imports(tmp_path / "empty")
