@@ -29,10 +29,13 @@ test: $(STAMP) redis lint
 	$(BIN)/python -m pytest -q
 
 # The overhead benchmark (not part of `make test`): needs wrk and nginx from Debian's packages.
+# BENCH_BASELINE: the gateway it is compared with, run in the same rounds (issue 14's "previous
+# main": main's HEAD when the comparison was built, 2026-12-01).
+BENCH_BASELINE ?= f388856ac4c73f2af5fe039ef2b83c3b9cc808da
 bench: $(STAMP) redis
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null)
-	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/overhead.py --baseline $(BENCH_BASELINE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

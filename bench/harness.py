@@ -75,20 +75,54 @@ class Proc:
                 self.popen.kill()
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        """utime + stime of the process and every live descendant (nginx's workers, the
+        processes of `serve --workers N`)."""
+        return sum(_stat(pid)[0] for pid in tree(self.popen.pid))
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.popen.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        """Resident memory of the process and every live descendant."""
+        return sum(_stat(pid)[1] for pid in tree(self.popen.pid)) / 2**20
 
 
-def start(args: list[str], port: int, ready: str, log: Path, cpu: str) -> Proc:
+def tree(root: int) -> list[int]:
+    """`root` and its live descendants, from /proc/<pid>/stat's ppid."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parents[int(entry.name)] = int(fields[1])
+    found, todo = [root], [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        todo += children
+    return found
+
+
+def _stat(pid: int) -> tuple[float, int]:
+    """(CPU seconds, RSS bytes) of one process; zeros if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return cpu, int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss in pages
+
+
+def start(
+    args: list[str], port: int, ready: str, log: Path, cpu: str, tree_dir: Path | None = None
+) -> Proc:
+    """Start `args` pinned to `cpu` and wait until `ready` answers. `tree_dir`: run it from
+    that checkout (cwd and PYTHONPATH), not from this one."""
+    env = dict(os.environ, PYTHONPATH=str(tree_dir)) if tree_dir else None
     with log.open("ab") as out:
-        popen = subprocess.Popen(["taskset", "-c", cpu, *args], stdout=out, stderr=out)
+        popen = subprocess.Popen(
+            ["taskset", "-c", cpu, *args], stdout=out, stderr=out, env=env, cwd=tree_dir
+        )
     proc = Proc(popen, port)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -108,26 +142,40 @@ def gateway_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway", *args]
 
 
-NGINX_CONF = """
+NGINX_MAIN = """
 worker_processes 1;
 daemon off;
-pid {tmp}/nginx.pid;
-error_log {tmp}/nginx-error.log warn;
+pid {tmp}/nginx-{name}.pid;
+error_log {tmp}/nginx-{name}-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
-  client_body_temp_path {tmp}/body;
-  proxy_temp_path {tmp}/proxy;
-  fastcgi_temp_path {tmp}/fastcgi;
-  uwsgi_temp_path {tmp}/uwsgi;
-  scgi_temp_path {tmp}/scgi;
+  client_body_temp_path {tmp}/body-{name};
+  proxy_temp_path {tmp}/proxy-{name};
+  fastcgi_temp_path {tmp}/fastcgi-{name};
+  uwsgi_temp_path {tmp}/uwsgi-{name};
+  scgi_temp_path {tmp}/scgi-{name};
   keepalive_requests 1000000;
-  upstream static {{ server 127.0.0.1:{static}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{health};
+    location = /health {{ return 200 'ok'; }}
+  }}
+{servers}
+}}
+"""
+
+STATIC = """
   server {{
     listen 127.0.0.1:{static};
     location / {{ default_type application/json; return 200 '{answer}'; }}
-    location = /health {{ return 200 'ok'; }}
   }}
+"""
+
+# The floor for any proxy: the same hop as the gateway's (keep-alive to the upstream), and
+# for streams, every byte passed on as it comes (proxy_buffering off).
+PROXY = """
+  upstream static {{ server 127.0.0.1:{static}; keepalive 64; }}
+  upstream sim {{ server 127.0.0.1:{sim}; keepalive 64; }}
   server {{
     listen 127.0.0.1:{proxy};
     location / {{
@@ -136,18 +184,41 @@ http {{
       proxy_set_header Connection "";
     }}
   }}
-}}
+  server {{
+    listen 127.0.0.1:{stream};
+    location / {{
+      proxy_pass http://sim;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
 """
 
 
-def nginx(tmp: Path, answer: str) -> tuple[Proc, int, int]:
-    static, proxy = free_port(), free_port()
-    conf = tmp / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(tmp=tmp, static=static, proxy=proxy, answer=answer))
-    proc = start(
-        ["nginx", "-c", str(conf), "-p", str(tmp)], static, "/health", tmp / "nginx.log", OTHERS_CPU
-    )
-    return proc, static, proxy
+def _nginx(tmp: Path, name: str, servers: str, cpu: str) -> Proc:
+    health = free_port()
+    conf = tmp / f"nginx-{name}.conf"
+    conf.write_text(NGINX_MAIN.format(tmp=tmp, name=name, health=health, servers=servers))
+    args = ["nginx", "-c", str(conf), "-p", str(tmp)]
+    return start(args, health, "/health", tmp / f"nginx-{name}.log", cpu)
+
+
+def nginx_static(tmp: Path, answer: str) -> tuple[Proc, int]:
+    """nginx answering a static completion on every path (the upstream that costs almost
+    nothing), on the others' CPU; its port."""
+    static = free_port()
+    servers = STATIC.format(static=static, answer=answer)
+    return _nginx(tmp, "static", servers, OTHERS_CPU), static
+
+
+def nginx_proxy(tmp: Path, static: int, sim: int, cpu: str = GATEWAY_CPU) -> tuple[Proc, int, int]:
+    """nginx `proxy_pass` to the static upstream and to the simulator, a process of its own
+    (its CPU its own), by default pinned to the gateway's CPU (the hop placed like the
+    gateway); its non-stream and stream ports."""
+    proxy, stream = free_port(), free_port()
+    servers = PROXY.format(static=static, sim=sim, proxy=proxy, stream=stream)
+    return _nginx(tmp, "proxy", servers, cpu), proxy, stream
 
 
 WRK_SCRIPT = """
@@ -170,12 +241,20 @@ class WrkResult:
     raw: str
 
 
+def wrk_args(url: str, script: Path, connections: int, seconds: int) -> list[str]:
+    return ["taskset", "-c", OTHERS_CPU, "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
+            "--latency", "-s", str(script), url]  # fmt: skip
+
+
 def wrk(url: str, script: Path, connections: int, seconds: int) -> WrkResult:
     out = subprocess.run(
-        ["taskset", "-c", OTHERS_CPU, "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
-         "--latency", "-s", str(script), url],
+        wrk_args(url, script, connections, seconds),
         capture_output=True, text=True, check=True, timeout=seconds + 30,
     ).stdout  # fmt: skip
+    return parse_wrk(out)
+
+
+def parse_wrk(out: str) -> WrkResult:
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
