@@ -107,7 +107,10 @@ class ClusterStore:
         except UnicodeError as exc:
             outer.set_exception(DataError(f"cannot encode a Redis argument: {exc}"))
             return outer
-        if not mapped:
+        # Commands for every master (SCRIPT LOAD) wait for a map being learned: a master
+        # it adds (a MOVED to a new one asked for it) must not be left out.
+        learning = self._refreshing is not None and not self._refreshing.done()
+        if not mapped or (learning and EVERY in slots):
             return self._task(self._send_mapped(commands, slots))
         parts = self._dispatch(commands, slots)
         left = len(parts)

@@ -108,19 +108,25 @@ class Scripts:
     ) -> list[Any]:
         """Redis lost its scripts (restart, failover, SCRIPT FLUSH): load them, then resend
         only the calls that did not run."""
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        try:
-            await self.load(store)
-            again = await store.send(self._commands([calls[i] for i in missing]))
-        except NotSent as exc:
-            if len(missing) == len(calls):
-                raise
-            # The other calls ran (a Cluster: only one master lost its scripts): the resend's
-            # failure is those calls' reply in place, so the caller gives back what ran.
-            again = [exc] * len(missing)
         merged = list(replies)
-        for i, reply in zip(missing, again, strict=True):
-            merged[i] = reply
+        # Twice at most: a Cluster's call redirected to a master its slot map did not have
+        # yet gets NOSCRIPT there, and the first load may leave before the map names it.
+        for _ in range(2):
+            missing = [i for i, r in enumerate(merged) if isinstance(r, NoScriptError)]
+            if not missing:
+                break
+            try:
+                await self.load(store)
+                again = await store.send(self._commands([calls[i] for i in missing]))
+            except NotSent as exc:
+                if len(missing) == len(calls):
+                    raise
+                # The other calls ran (a Cluster: only one master lost its scripts): the
+                # resend's failure is those calls' reply in place, so the caller gives back
+                # what ran.
+                again = [exc] * len(missing)
+            for i, reply in zip(missing, again, strict=True):
+                merged[i] = reply
         return merged
 
     def _commands(self, calls: Sequence[Call]) -> list[Command]:
