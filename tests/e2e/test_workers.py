@@ -125,7 +125,7 @@ def requests_counted(gateway: procs.Proc) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith('gateway_requests_total{') and 'model="m"' in line
+        if line.startswith("gateway_requests_total{") and 'model="m"' in line
     )
 
 
