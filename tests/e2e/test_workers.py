@@ -195,3 +195,27 @@ def test_sigterm_drains_both_workers(serve: procs.Proc, store: RedisServer) -> N
     assert len(set(wait_for_log(serve, streams).values())) == 2  # both had streams to drain
     assert left_in_redis(store) == []
     assert recorded(store) == Counter(rids + streams)
+
+
+def test_a_changed_config_reaches_every_worker(
+    serve: procs.Proc, sim: procs.Proc, store: RedisServer, tmp_path: Path
+) -> None:
+    warm_up(serve, "reload-warm")
+    config_file = tmp_path / f"gateway-{serve.port}.yaml"
+    text = config_file.read_text()
+    added = f'  added:\n    endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1}}]\n'
+    config_file.write_text(text.replace("keys:", added + "keys:"))
+    assert serve.popen is not None
+    serve.popen.send_signal(signal.SIGHUP)  # to the parent: it passes it on
+    # Until both workers have served the new model (each applies it on its own).
+    pids: set[int] = set()
+    for i in range(WARM_UP_MAX):
+        rid = f"workers-{RUN}-reload-{i}"
+        body = {"model": "added", "prompt": "x", "max_tokens": 2}
+        headers = {**AUTH, "x-request-id": rid}
+        answer = httpx.post(serve.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        if answer.status_code == 200:
+            pids.add(wait_for_log(serve, [rid])[rid])
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2, "a worker never served the model the new config added"
