@@ -164,6 +164,11 @@ def test_requests_spread_over_both_workers_and_metrics_count_each_once(
     serve_pid = serve.popen.pid if serve.popen else 0
     assert victim != serve_pid
     os.kill(victim, signal.SIGKILL)
+    # Once reaped its socket is closed: no new connection can land in its backlog.
+    deadline = time.monotonic() + 20
+    while f"worker {victim} was killed" not in serve.log.read_text():
+        assert time.monotonic() < deadline, "the parent never saw its worker die"
+        time.sleep(0.05)
     more = warm_up(serve, "after-kill")
     assert victim not in wait_for_log(serve, more).values()
     rids += more
