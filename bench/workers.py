@@ -52,8 +52,10 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def measure(tmp: Path, conf: Path, workers: int, seconds: int, script: Path) -> float:
-    """Gateway CPU milliseconds per request at c=16 over `seconds`."""
+def measure(
+    tmp: Path, conf: Path, workers: int, seconds: int, script: Path, connections: int
+) -> float:
+    """Gateway CPU milliseconds per request at c=`connections` over `seconds`."""
     port = harness.free_port()
     args = ["serve", "--config", str(conf), "--port", str(port), "--host", "127.0.0.1"]
     args += ["--workers", str(workers)]
@@ -61,9 +63,9 @@ def measure(tmp: Path, conf: Path, workers: int, seconds: int, script: Path) -> 
         harness.gateway_cli(*args), port, "/healthz", tmp / f"gw-{workers}.log", harness.GATEWAY_CPU
     )
     try:
-        harness.wrk(gw.url + "/v1/completions", script, 16, 1)  # warm-up: every worker up
+        harness.wrk(gw.url + "/v1/completions", script, connections, 1)  # every worker up
         before = tree_cpu_seconds(gw.popen.pid)
-        result = harness.wrk(gw.url + "/v1/completions", script, 16, seconds)
+        result = harness.wrk(gw.url + "/v1/completions", script, connections, seconds)
         spent = tree_cpu_seconds(gw.popen.pid) - before
         assert result.non_2xx == 0, result.raw
         return spent * 1000 / result.requests
@@ -108,10 +110,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--per-worker",
+        action="store_true",
+        help="16 connections per worker (the same load per process) instead of 16 in all",
+    )
+    parser.add_argument(
+        "--gateway-cpus", default=harness.GATEWAY_CPU, help="taskset list for the gateway"
+    )
     args = parser.parse_args()
     if args.micro:
         print(metric_updates_us(args.micro == "shared"))
         return
+    harness.GATEWAY_CPU = args.gateway_cpus
     harness.need("wrk", "nginx", "taskset")
     with tempfile.TemporaryDirectory() as name, harness.bench_redis(Path(name)) as redis_url:
         tmp = Path(name)
@@ -124,12 +135,16 @@ def main() -> None:
             runs: dict[int, list[float]] = {1: [], args.workers: []}
             for _ in range(args.rounds):
                 for workers in runs:
-                    runs[workers].append(measure(tmp, conf, workers, args.seconds, script))
+                    connections = 16 * workers if args.per_worker else 16
+                    runs[workers].append(
+                        measure(tmp, conf, workers, args.seconds, script, connections)
+                    )
         finally:
             nginx.stop()
     one = statistics.median(runs[1])
     many = statistics.median(runs[args.workers])
-    print(f"gateway CPU per request, c=16, median of {args.rounds} runs of {args.seconds} s:")
+    load = "16 connections per worker" if args.per_worker else "c=16"
+    print(f"gateway CPU per request, {load}, median of {args.rounds} runs of {args.seconds} s:")
     print(f"  --workers 1: {one:.3f} ms   {runs[1]}")
     print(f"  --workers {args.workers}: {many:.3f} ms   {runs[args.workers]}")
     print(f"  ratio: {many / one:.3f}")
