@@ -67,7 +67,11 @@ class Workers:
 
     def run(self, holder: socket.socket) -> int:
         """Serve until a stop signal (or workers that cannot start); the exit code."""
-        self._metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        try:
+            self._metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        except OSError as exc:
+            log.error("cannot make the workers' metrics directory: %s", exc.strerror or exc)
+            return 1
         previous = {sig: signal.signal(sig, self._on_stop) for sig in STOP_SIGNALS}
         previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hup)
         try:

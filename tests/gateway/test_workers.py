@@ -131,3 +131,11 @@ def test_the_metrics_directory_is_gone_after_the_serve(
 
     Workers(1, fails).run(holder)
     assert list(os.scandir(tmp_path)) == []
+
+
+def test_no_place_for_the_metrics_files_is_one_line_and_exit_code_1(
+    holder: socket.socket, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(workers.tempfile, "tempdir", "/nonexistent/gateway-test")
+    assert Workers(2, lambda: None).run(holder) == 1
+    assert "metrics directory" in caplog.text
