@@ -1,7 +1,8 @@
 """`gateway serve --workers 2` from outside: requests spread over both processes, `/metrics`
 counts each request once whichever process answers the scrape (also after a worker was
-killed and started again), and SIGTERM drains both: streams in flight end whole, the serve
-exits 0, Redis keeps no lease or waiter and has one usage record per request.
+killed and started again), SIGTERM drains both (streams in flight end whole, the serve
+exits 0, Redis keeps no lease or waiter and has one usage record per request), a changed
+config reaches both, and the records a killed worker spooled reach Redis once.
 
 Which process served a request is read from the access log (`--log-format json` carries
 each line's pid under `--workers`). Each request here opens its own connection, since the
@@ -38,7 +39,8 @@ WARM_UP_MAX = 200  # requests, at most, until both workers have answered one
 
 def config(sim: procs.Proc, redis_url: str, spool_dir: Path) -> str:
     return (
-        f'redis: {{url: "{redis_url}", lease_ttl_s: 5}}\n'
+        # local: the spool test serves through a Redis outage.
+        f'redis: {{url: "{redis_url}", lease_ttl_s: 5, on_outage: local}}\n'
         f'usage: {{spool_dir: "{spool_dir}"}}\n'
         "models:\n  m:\n"
         f'    endpoints: [{{url: "{sim.url}", max_concurrency: {STREAMS + 4}, model: m1}}]\n'
@@ -224,3 +226,31 @@ def test_a_changed_config_reaches_every_worker(
         if len(pids) == 2:
             break
     assert len(pids) == 2, "a worker never served the model the new config added"
+
+
+def test_what_a_killed_worker_spooled_reaches_redis_once(
+    serve: procs.Proc, store: RedisServer, tmp_path: Path
+) -> None:
+    warm_up(serve, "spool-warm")
+    store.kill()  # records now wait in the spool of the worker that served them
+    outage = warm_up(serve, "spool-outage")
+    by_pid = wait_for_log(serve, outage)
+    victim = by_pid[outage[-1]]
+    spool_dir = tmp_path / "spool"
+
+    def victims_spool() -> list[Path]:
+        return [p for p in spool_dir.glob(f"gateway-usage-*-{victim}-*.jsonl") if p.stat().st_size]
+
+    deadline = time.monotonic() + 20
+    while not victims_spool():
+        assert time.monotonic() < deadline, "the worker never spooled its records"
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGKILL)
+    store.start()  # empty: only what the spools send arrives
+    deadline = time.monotonic() + 30
+    while recorded(store) != Counter(outage):
+        assert time.monotonic() < deadline, f"records: {recorded(store)}"
+        time.sleep(0.1)
+    assert not list(spool_dir.glob(f"gateway-usage-*-{victim}-*"))  # adopted, then removed
+    assert serve.stop(signal.SIGTERM) == 0
+    assert recorded(store) == Counter(outage)
