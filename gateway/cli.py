@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, TextIO
@@ -22,11 +23,12 @@ from redis.exceptions import RedisError
 from gateway.listen import ListenError, listen
 from gateway.logs import FORMATS
 from gateway.logs import setup as setup_logs
-from gateway.settings import ConfigError, digest_key, load_config
+from gateway.settings import ConfigError, GatewayConfig, digest_key, load_config
 from routing.storeerrors import cause_of
 from tiers.policy import Tier
 
 log = logging.getLogger("gateway")
+MAX_WORKERS = 256
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +47,24 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", required=True, help="YAML config file")
     serve.add_argument("--host", help="listen address (default: listen.host of the config)")
     serve.add_argument("--port", type=int, help="listen port (default: listen.port of the config)")
+    serve.add_argument(
+        "--workers",
+        type=_worker_count,
+        default=1,
+        help="processes serving the port (SO_REUSEPORT; metrics and admission exact across "
+        "them; default: %(default)s, this process alone)",
+    )
     _log_options(serve)
+
+
+def _worker_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= count <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"from 1 to {MAX_WORKERS}")
+    return count
 
 
 def _demo_options(demo: argparse.ArgumentParser) -> None:
@@ -162,22 +181,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.access import AccessLog
-    from gateway.app import build_app
-    from gateway.server import serve
-    from gateway.state import GatewayState
     from routing.store import start_problem
 
     config = load_config(args.config)
-    setup_logs(args.log_format, access_log=args.access_log)
+    setup_logs(args.log_format, access_log=args.access_log, with_pid=args.workers > 1)
     # A store that will never serve (wrong password, ACL, TLS, not a master) stops the start.
     if (problem := start_problem(config.redis.url, config.redis.command_timeout_s)) is not None:
         print(f"gateway: {problem.text}", file=sys.stderr)
         return 2
+    if args.workers > 1 and config.redis.url.startswith("memory://"):
+        print(
+            "gateway: --workers needs a shared store; memory:// lives in one process",
+            file=sys.stderr,
+        )
+        return 2
     host = args.host or config.listen.host
     port = config.listen.port if args.port is None else args.port
-    sock = listen(host, port)
-    log.info("serving %d models on %s:%d", len(config.models), host, sock.getsockname()[1])
+    if args.workers == 1:
+        sock = listen(host, port)
+        log.info("serving %d models on %s:%d", len(config.models), host, sock.getsockname()[1])
+        _serve_one(args, config, sock)
+        return 0
+    from gateway.workers import Workers
+
+    with listen(host, port, reuse_port=True) as holder:
+        port = holder.getsockname()[1]
+        log.info(
+            "serving %d models on %s:%d with %d workers",
+            len(config.models), host, port, args.workers,
+        )  # fmt: skip
+        serve_one = lambda: _serve_one(args, config, listen(host, port, reuse_port=True))  # noqa: E731
+        return Workers(args.workers, serve_one).run(holder)
+
+
+def _serve_one(args: argparse.Namespace, config: GatewayConfig, sock: socket.socket) -> None:
+    """One gateway on `sock`, until a stop signal and its drain."""
+    from gateway.access import AccessLog
+    from gateway.app import build_app
+    from gateway.server import serve
+    from gateway.state import GatewayState
+
     state = GatewayState(config, config_path=args.config)
 
     def drain() -> None:
@@ -187,7 +230,6 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(state)
     served = AccessLog(app) if args.access_log else app
     serve(served, sock, grace_s=config.shutdown_grace_s, on_stop=drain)
-    return 0
 
 
 def _sim(args: argparse.Namespace) -> int:

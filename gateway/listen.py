@@ -15,8 +15,10 @@ class ListenError(Exception):
     """The port could not be had; the message is the one line an operator needs."""
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one), for `serve` and `serve_together`."""
+def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), for `serve` and `serve_together`.
+    With `reuse_port`, other sockets of this user with the same option may bind the same
+    port, and the kernel spreads new connections over those listening (gateway/workers.py)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -27,6 +29,8 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         # As uvicorn does: a restart may take the port while old connections linger.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()

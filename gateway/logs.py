@@ -18,14 +18,16 @@ import orjson
 ACCESS_LOGGER = "gateway.access"
 FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+# Under `serve --workers N`, whose line it is (the parent's or a worker's).
+_TEXT_PID = "%(asctime)s [%(process)d] %(name)s %(levelname)s %(message)s"
 
 
 class TextFormatter(logging.Formatter):
     """`time logger LEVEL message`, then a record's `fields` as key=value (but those it
     names in `in_message`, already said by the message)."""
 
-    def __init__(self) -> None:
-        super().__init__(_TEXT)
+    def __init__(self, with_pid: bool = False) -> None:
+        super().__init__(_TEXT_PID if with_pid else _TEXT)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -48,8 +50,12 @@ def _value(value: Any) -> str:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg, then the record's `fields`
-    (an exception's traceback as `exc`)."""
+    """One JSON object per line: ts, level, logger, msg (with `with_pid`, pid), then the
+    record's `fields` (an exception's traceback as `exc`)."""
+
+    def __init__(self, with_pid: bool = False) -> None:
+        super().__init__()
+        self._with_pid = with_pid
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -58,6 +64,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self._with_pid:
+            line["pid"] = record.process
         fields: dict[str, Any] | None = getattr(record, "fields", None)
         if fields:
             line.update((k, v) for k, v in fields.items() if k not in line)
@@ -72,13 +80,14 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler `setup` installs (and replaces when called again)."""
 
 
-def setup(fmt: str = "text", *, access_log: bool = False) -> None:
-    """Send log lines to stderr in `fmt` (text | json); per-request lines if `access_log`."""
+def setup(fmt: str = "text", *, access_log: bool = False, with_pid: bool = False) -> None:
+    """Send log lines to stderr in `fmt` (text | json); per-request lines if `access_log`;
+    each line with its process id if `with_pid` (several processes share the stream)."""
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _Handler)]:
         root.removeHandler(old)
     handler = _Handler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(with_pid) if fmt == "json" else TextFormatter(with_pid))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python's warnings as log lines (JSON too)

@@ -2,11 +2,20 @@
 
 Label values come only from config (model names, endpoint urls, tier names) or from fixed
 sets (status codes, 429 reasons), never from request text, so cardinality stays bounded.
+
+Under `serve --workers N` every worker process writes its metrics into one directory
+(prometheus-client's multiprocess mode, `share_across_processes`), and a scrape of any of
+them sums the files of all: counters and histograms add up (those of a dead worker stay),
+gauges follow the mode declared with them (`livesum` for what each process holds,
+`livemostrecent` for views every process shares). A single process keeps its values in
+memory, as prometheus-client does by default.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
+from typing import Final
 
 from prometheus_client import (
     CollectorRegistry,
@@ -14,9 +23,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
+    values,
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from routing.background import TASKS
@@ -28,6 +39,20 @@ DURATION_BUCKETS = (
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Gauges of a view every process has of the same thing (the fleet, an endpoint's health):
+# the value last set by any live process. Each process sets them again before it renders.
+SHARED_VIEW: Final = "livemostrecent"
+_shared_dir: str | None = None
+
+
+def share_across_processes(directory: str) -> None:
+    """From now on, this process's metrics live in `directory`, beside those of the other
+    workers of one `serve --workers N`. Called in each worker right after its fork, before
+    any metric is made (the value class is chosen when a metric is)."""
+    global _shared_dir
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # where prometheus-client writes
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    _shared_dir = directory
 
 
 class Metrics:
@@ -39,10 +64,17 @@ class Metrics:
         # registry so that every /metrics this process renders is without them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
         self.registry = CollectorRegistry(auto_describe=True)
-        # Counted where the loops run (routing/background.py), read at scrape time.
-        self.registry.register(
-            _BackgroundErrors(background_errors if background_errors is not None else {})
-        )
+        self.shared_dir = _shared_dir
+        self._scrape = self.registry
+        if self.shared_dir is not None:
+            self._scrape = CollectorRegistry()
+            MultiProcessCollector(self._scrape, self.shared_dir)  # type: ignore[no-untyped-call]
+        # Counts kept elsewhere, read at scrape time (`publish` writes them when shared).
+        self._background_errors = background_errors if background_errors is not None else {}
+        self._published: dict[tuple[str, str], int] = {}
+        self._shared_counts: dict[tuple[str, str], Counter] = {}
+        self._shared_reads: dict[str, Callable[[], int]] = {}
+        self._declare_background(self.registry)
         self._declare_traffic(self.registry)
         self._declare_admission(self.registry)
         self._declare_workers(self.registry)
@@ -71,12 +103,17 @@ class Metrics:
     def _declare_admission(self, r: CollectorRegistry) -> None:
         """Slots and queues: who waits, who holds, who was turned away or fell back."""
         self.queue_depth = Gauge(
-            "gateway_queue_depth", "Requests waiting for a slot.", ["model", "tier"], registry=r
-        )
-        self.inflight = Gauge("gateway_inflight", "Requests holding a slot.", ["model"], registry=r)
+            "gateway_queue_depth", "Requests waiting for a slot.", ["model", "tier"],
+            registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "gateway_inflight", "Requests holding a slot.", ["model"],
+            registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
         self.capacity = Gauge(
-            "gateway_capacity", "Slots of healthy endpoints.", ["model"], registry=r
-        )
+            "gateway_capacity", "Slots of healthy endpoints.", ["model"],
+            registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
         self.rejections = Counter(
             "gateway_rejections", "429 answers, by reason (the error code).",
             ["model", "tier", "reason"], registry=r,
@@ -94,7 +131,7 @@ class Metrics:
         )  # fmt: skip
         self.endpoint_up = Gauge(
             "gateway_endpoint_up", "1 while an endpoint is in rotation.",
-            ["model", "endpoint"], registry=r,
+            ["model", "endpoint"], registry=r, multiprocess_mode=SHARED_VIEW,
         )  # fmt: skip
 
     def _declare_spool(self, r: CollectorRegistry) -> None:
@@ -102,25 +139,20 @@ class Metrics:
         Redis, those lost because the spool was full or unwritable (each also logged), and
         unreadable spool lines set aside (torn by a kill or a full disk)."""
         self.usage_spooled = Gauge(
-            "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.", registry=r
-        )
+            "gateway_usage_spool_bytes", "Usage records waiting on disk for Redis.",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
         # Read at scrape time from the spool's own count (GatewayState.render_metrics).
         self.usage_lost = 0
-        r.register(
-            _Total(
-                "gateway_usage_records_lost",
-                "Usage records this process could not keep.",
-                lambda: self.usage_lost,
-            )
-        )
+        self._total(
+            r, "gateway_usage_records_lost", "Usage records this process could not keep.",
+            lambda: self.usage_lost,
+        )  # fmt: skip
         self.usage_bad_lines = 0
-        r.register(
-            _Total(
-                "gateway_usage_spool_bad_lines",
-                "Unreadable spool lines this process set aside.",
-                lambda: self.usage_bad_lines,
-            )
-        )
+        self._total(
+            r, "gateway_usage_spool_bad_lines", "Unreadable spool lines this process set aside.",
+            lambda: self.usage_bad_lines,
+        )  # fmt: skip
 
     def _declare_fleet(self, r: CollectorRegistry) -> None:
         """Beyond traffic: the fleet as this replica last saw it (its `on_outage: local` share
@@ -129,18 +161,56 @@ class Metrics:
         trimming to usage.retention_days."""
         self.replicas = Gauge(
             "gateway_replicas", "Live gateway replicas, as this one's last sweep saw them.",
-            registry=r,
+            registry=r, multiprocess_mode=SHARED_VIEW,
         )  # fmt: skip
         self.usage_stream_length = Gauge(
-            "gateway_usage_stream_length", "Entries in the Redis stream `usage`.", registry=r
-        )
+            "gateway_usage_stream_length", "Entries in the Redis stream `usage`.",
+            registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
         self.usage_stream_oldest_age = Gauge(
             "gateway_usage_stream_oldest_age_seconds",
-            "Age of the oldest entry of the Redis stream `usage`.", registry=r,
+            "Age of the oldest entry of the Redis stream `usage`.",
+            registry=r, multiprocess_mode=SHARED_VIEW,
         )  # fmt: skip
 
+    def _declare_background(self, r: CollectorRegistry) -> None:
+        """Counted where the loops run (routing/background.py)."""
+        if self.shared_dir is None:
+            r.register(_BackgroundErrors(self._background_errors))
+            return
+        family = Counter(
+            "gateway_background_errors",
+            "Background rounds (sweep, spool, health, reload, ...) that failed and were retried.",
+            ["task"], registry=r,
+        )  # fmt: skip
+        self._shared_counts.update({("background", t): family.labels(t) for t in TASKS})
+
+    def _total(self, r: CollectorRegistry, name: str, doc: str, read: Callable[[], int]) -> None:
+        """A counter kept elsewhere: read at scrape time, or when shared, a counter that
+        `publish` brings up to date."""
+        if self.shared_dir is None:
+            r.register(_Total(name, doc, read))
+        else:
+            self._shared_counts[(name, "")] = Counter(name, doc, registry=r)
+            self._shared_reads[name] = read
+
+    def publish(self) -> None:
+        """When shared: write the counts kept elsewhere into this process's files, so that a
+        scrape served by another worker sees them (called before each render, every second
+        and at the end)."""
+        if self.shared_dir is None:
+            return
+        for (name, label), counter in self._shared_counts.items():
+            value = self._background_errors.get(label, 0)
+            if name != "background":
+                value = self._shared_reads[name]()
+            if (delta := value - self._published.get((name, label), 0)) > 0:
+                counter.inc(delta)
+                self._published[(name, label)] = value
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        self.publish()
+        return generate_latest(self._scrape)
 
 
 class _BackgroundErrors(Collector):

@@ -69,6 +69,7 @@ class GatewayState:
         # flight finish.
         self.draining = False
         self._watcher: ConfigWatcher | None = None
+        self._publisher: asyncio.Task[None] | None = None
 
     def _admission(self, sweep_interval_s: float) -> tuple[Admission, Keeper]:
         redis = self.config.redis
@@ -153,6 +154,8 @@ class GatewayState:
         if self.config_path is not None:
             self._watcher = ConfigWatcher(self.config_path, self.apply, self.background_errors)
             await self._watcher.start()
+        if self.metrics.shared_dir is not None:
+            self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     async def apply(self, config: GatewayConfig) -> None:
         """A changed config, applied without a restart and without failing requests in
@@ -196,6 +199,10 @@ class GatewayState:
     async def close(self) -> None:
         if self._watcher is not None:
             await self._watcher.close()
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+            self._refresh_metrics()  # the last counts of a worker that stops stay counted
         await self.health.close()
         await self.keeper.close()
         await self.admission.close()
@@ -209,6 +216,21 @@ class GatewayState:
 
     def render_metrics(self) -> bytes:
         """Prometheus text; the fleet-wide gauges come from the keeper's last sweep."""
+        self._refresh_metrics()
+        return self.metrics.render()
+
+    async def _publish_metrics(self) -> None:
+        """`serve --workers N`: what this worker alone knows (its spool, its background
+        errors) is written for the others' scrapes every second."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self._refresh_metrics()
+            except Exception:  # never expected (local reads); the next round tries again
+                log.exception("metrics refresh failed")
+
+    def _refresh_metrics(self) -> None:
+        """Set the metrics read at scrape time, and publish them when shared."""
         m = self.metrics
         spool = self.admission.ledger.spool
         if spool is not None:
@@ -223,4 +245,4 @@ class GatewayState:
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():
                 m.queue_depth.labels(model, tier.value).set(depth)
-        return m.render()
+        m.publish()

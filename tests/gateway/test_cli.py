@@ -48,6 +48,21 @@ def test_a_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "models.m.endpoints.0.max_concurrency" in err
 
 
+@pytest.mark.parametrize("count", ["0", "-1", "two", "257"])
+def test_workers_out_of_range_is_a_usage_error(
+    count: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", DEMO, "--workers", count])
+    assert exited.value.code == 2
+    assert "--workers" in capsys.readouterr().err
+
+
+def test_workers_need_a_shared_store(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", DEMO, "--workers", "2"]) == 2
+    assert "memory://" in capsys.readouterr().err
+
+
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[Command]:
     """Every (sub)command's parser with its words on the command line."""
     yield path, parser

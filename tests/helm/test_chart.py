@@ -37,6 +37,7 @@ CHART = REPO / "helm"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
 DASHBOARD = CHART / "dashboards" / "gateway.json"
 RELEASE = "t"
+CONFIG_PATH = "/etc/gateway/gateway.yaml"  # where the pod mounts the config
 NAMESPACE = "gw-test"
 K8S_VERSION = "1.30"
 
@@ -307,6 +308,9 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "unknown on_outage": ({"gateway": {"redis": {"on_outage": "panic"}}}, "on_outage"),
     "redis url of another scheme": ({"redis": {"url": "http://redis:6379"}}, "url"),
     "redis maxmemory not a size": ({"redis": {"maxmemory": "lots"}}, "maxmemory"),
+    "zero workers": ({"workers": 0}, "workers"),
+    "fractional workers": ({"workers": 1.5}, "workers"),
+    "workers as a word": ({"workers": "two"}, "workers"),
     "bad key digest": (
         {"keys": {"inConfig": True, "digests": [{"sha256": "abc", "account": "a"}]}},
         "sha256",
@@ -418,6 +422,13 @@ def test_mounts_and_command(rendered: dict[str, list[Manifest]]) -> None:
     }
 
 
+def test_workers_become_the_serve_option() -> None:
+    container = gateway_container(render("--set", "workers=4"))
+    assert container["args"] == [
+        "serve", "--config", "/etc/gateway/gateway.yaml", "--workers", "4"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(("name", "grace_s"), [("default", 30), ("local", 2)])
 def test_termination_outlasts_the_drain(
     rendered: dict[str, list[Manifest]], name: str, grace_s: float
@@ -506,16 +517,18 @@ def _healthz(port: int) -> int | None:
         return None
 
 
-def test_gateway_starts_from_the_config_map(
-    rendered: dict[str, list[Manifest]], tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gateway_starts_from_the_config_map(tmp_path: Path, workers: int) -> None:
+    """The chart's config and the chart's arguments (`workers` too) start a gateway that
+    drains and exits 0 on SIGTERM."""
+    docs = render(*RENDERS["local"], "--set", f"workers={workers}")
     config_file = tmp_path / "gateway.yaml"
-    config_file.write_text(config_text(rendered["local"]), encoding="utf-8")
+    config_file.write_text(config_text(docs), encoding="utf-8")
     port = _free_port()
     env = {**os.environ, "GATEWAY_REDIS_URL": REDIS_URL, "TMPDIR": str(tmp_path)}
     log_path = tmp_path / "gateway.log"
-    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config_file)]
-    command += ["--port", str(port), "--host", "127.0.0.1"]
+    args = [str(config_file) if a == CONFIG_PATH else a for a in gateway_container(docs)["args"]]
+    command = [sys.executable, "-m", "gateway", *args, "--port", str(port), "--host", "127.0.0.1"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

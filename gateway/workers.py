@@ -1,0 +1,183 @@
+"""`gateway serve --workers N`: N processes serving one port, and their supervisor.
+
+The parent binds the port first with SO_REUSEPORT and never listens on it: it only holds
+the port (a busy port is one clear line, port 0 is chosen once). Each worker is forked from
+it and binds its own listening socket to that port with SO_REUSEPORT, so the kernel spreads
+new connections over the workers (by a hash of the connection; with one shared socket the
+spread would be whichever process wakes first). A worker is a
+whole gateway, as `serve` without `--workers` is: its own Redis connections, keeper, health
+checks, config watcher and usage spool (named by its pid and a random token: routing/
+spoolfile.py), and it drains as a single gateway does. The parent runs no event loop and
+holds no connection; it only waits on its workers:
+
+- a worker that ends while the parent is not stopping is forked again after RESTART_PAUSE_S
+  (the spool it left is adopted by the next spool round of any process of the store, its
+  leases expire as a dead replica's do); QUICK_DEATHS in a row, each within QUICK_S of its
+  start, stop the whole serve with exit code 1 instead (a fault no restart mends: let the
+  orchestrator see it);
+- SIGTERM or SIGINT: every worker gets SIGTERM and drains; the parent exits 0 once all
+  ended with 0 (else 1). A second signal gives them SIGINT: stop waiting for connections;
+- SIGHUP goes to every worker (each checks its config file, gateway/reload.py);
+- metrics: every worker writes into one private directory (gateway/metrics.py), removed
+  when the serve ends; a dead worker's live gauges are dropped, its counts stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import NoReturn
+
+from prometheus_client.multiprocess import mark_process_dead
+
+from gateway.metrics import share_across_processes
+
+log = logging.getLogger("gateway")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HANDLED = {*STOP_SIGNALS, signal.SIGHUP}
+RESTART_PAUSE_S = 1.0
+QUICK_S = 10.0
+QUICK_DEATHS = 3
+_PR_SET_PDEATHSIG = 1
+_Mask = set[int | signal.Signals]  # a signal mask, as pthread_sigmask gives it
+
+
+class Workers:
+    """Runs `serve_one` (a whole gateway, until it drained) in `count` forked processes."""
+
+    def __init__(self, count: int, serve_one: Callable[[], None]) -> None:
+        self._count = count
+        self._serve_one = serve_one
+        self._children: dict[int, tuple[int, float]] = {}  # pid -> (index, started)
+        self._stopping = False
+        self._failed = False
+        self._quick_deaths = 0
+        self._metrics_dir = ""
+
+    def run(self, holder: socket.socket) -> int:
+        """Serve until a stop signal (or workers that cannot start); the exit code."""
+        try:
+            self._metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+        except OSError as exc:
+            log.error("cannot make the workers' metrics directory: %s", exc.strerror or exc)
+            return 1
+        previous = {sig: signal.signal(sig, self._on_stop) for sig in STOP_SIGNALS}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._on_hup)
+        try:
+            for index in range(self._count):
+                self._fork(index, holder)
+            self._supervise(holder)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+        return 1 if self._failed else 0
+
+    def _fork(self, index: int, holder: socket.socket) -> None:
+        # Signals wait until the pid is known: a stop signal then reaches this worker too.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                self._child(holder, mask, parent)
+            self._children[pid] = (index, time.monotonic())
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    def _child(self, holder: socket.socket, mask: _Mask, parent: int) -> NoReturn:
+        code = 1
+        try:
+            holder.close()
+            for sig in STOP_SIGNALS:  # until the server takes them: nothing to drain yet
+                signal.signal(sig, _exit_at_once)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the config watcher takes it
+            _die_with(parent)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            share_across_processes(self._metrics_dir)
+            self._serve_one()
+            code = 0
+        except SystemExit as exc:  # uvicorn's way of saying the startup failed
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            log.exception("worker %d failed", os.getpid())
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(code)
+
+    def _supervise(self, holder: socket.socket) -> None:
+        while self._children:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                return
+            if (child := self._children.pop(pid, None)) is None:
+                continue
+            mark_process_dead(pid, self._metrics_dir)  # type: ignore[no-untyped-call]
+            code = os.waitstatus_to_exitcode(status)
+            if self._stopping:
+                if code != 0:
+                    log.error("worker %d %s while draining", pid, _ended(code))
+                    self._failed = True
+                continue
+            self._died(child, pid, code, holder)
+
+    def _died(self, child: tuple[int, float], pid: int, code: int, holder: socket.socket) -> None:
+        index, started = child
+        quick = time.monotonic() - started < QUICK_S
+        self._quick_deaths = self._quick_deaths + 1 if quick else 0
+        if self._quick_deaths >= QUICK_DEATHS:
+            log.error("worker %d %s; workers keep ending at start: stopping", pid, _ended(code))
+            self._failed = True
+            self._on_stop(signal.SIGTERM, None)
+            return
+        log.error("worker %d %s; starting another", pid, _ended(code))
+        time.sleep(RESTART_PAUSE_S)  # a stop signal during the pause is handled, then on
+        if not self._stopping:
+            self._fork(index, holder)
+
+    def _on_stop(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping:
+            self._signal_all(signal.SIGINT)  # the second: stop waiting for connections
+            return
+        self._stopping = True
+        log.info("stopping: %d workers drain", len(self._children))
+        self._signal_all(signal.SIGTERM)
+
+    def _on_hup(self, sig: int, frame: FrameType | None) -> None:
+        if not self._stopping:
+            self._signal_all(signal.SIGHUP)
+
+    def _signal_all(self, sig: int) -> None:
+        for pid in list(self._children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def _exit_at_once(sig: int, frame: FrameType | None) -> None:
+    os._exit(0)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM (a drain) for this worker when its parent dies, whatever kills the parent
+    (Linux; elsewhere workers outlive a parent killed with SIGKILL)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
+
+
+def _ended(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
