@@ -194,8 +194,7 @@ class HopResponse:
 
     def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive from the worker."""
-        assert self._conn is not None, "the body was taken already"
-        return _Chunks(self._conn)
+        return _Chunks(self)
 
     def close(self) -> None:
         """Done with the answer: its connection is reused if it was read to the end, else
@@ -212,17 +211,20 @@ class _Chunks:
     """The body as an async iterator without an async generator (nothing for the loop to
     finalise in a task of its own when the caller stops early)."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_resp",)
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+    def __init__(self, resp: HopResponse) -> None:
+        self._resp = resp
 
     def __aiter__(self) -> _Chunks:
         return self
 
     async def __anext__(self) -> bytes:
+        conn = self._resp._conn
+        if conn is None:  # closed: its connection may carry another answer by now
+            raise WorkerBrokeOff("The worker's stream broke off.")
         try:
-            chunk = await self._conn.next_chunk()
+            chunk = await conn.next_chunk()
         except Silent as exc:
             raise WorkerTimeout("The worker stopped answering mid-stream.") from exc
         except (Disconnected, NotHttp) as exc:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from routing.errors import WorkerBrokeOff
 from routing.hopclient import HopClient
 from routing.http1 import HIGH_WATER, Connection
 from routing.upstream import UpstreamSettings
@@ -221,9 +222,12 @@ async def test_a_stream_closed_before_its_end_closes_the_connection() -> None:
 
     async with worker(endless, read_head=False) as url, hop() as client:
         resp = await bounded(client.post(url + "/v1", b"{}", HEADERS))
-        assert await bounded(anext(aiter(resp.chunks()))) == b"hello"
+        chunks = aiter(resp.chunks())
+        assert await bounded(anext(chunks)) == b"hello"
         resp.close()
         await bounded(gone.wait())
+        with pytest.raises(WorkerBrokeOff):  # never the next answer its connection carries
+            await anext(chunks)
         assert client._pool is not None and client._pool.size == 0
 
 
