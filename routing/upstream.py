@@ -2,7 +2,7 @@
 before routing/hopclient.py.
 
 The gateway posts to workers through routing/hopclient.py (pooled HTTP/1.1 on httptools),
-which measured about a third less gateway CPU per request (bench/README.md). `Upstream`
+which measured a quarter less gateway CPU per request (bench/README.md). `Upstream`
 stays as the reference its error translation was built against (tests/routing/
 test_upstream.py pins it) and as the other side of that measurement; nothing in the
 gateway builds it. aiohttp rather than httpx here because it measured 4-8x cheaper in CPU
