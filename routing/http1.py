@@ -25,6 +25,10 @@ from typing import cast
 
 import httptools
 
+# The answer's head (status line and headers, trailers too) at most; aiohttp took about as
+# much. Past it the answer is not HTTP the gateway accepts, and the worker cannot make this
+# process hold more.
+MAX_HEAD_BYTES = 64 * 1024
 # Body bytes held for a caller that lags before reading pauses; it resumes once they are taken.
 HIGH_WATER = 256 * 1024
 
@@ -60,6 +64,7 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._busy = False
         self._answered = False
+        self._head_bytes = 0
         self._head: asyncio.Future[int] | None = None
         self.headers: dict[str, str] = {}
         self._chunks: deque[bytes] = deque()
@@ -80,7 +85,7 @@ class Connection(asyncio.Protocol):
         has arrived, or one of this module's errors."""
         loop = self._loop
         self._busy, self._answered, self.complete, self._keep = True, False, False, False
-        self._error, self._buffered, self.headers = None, 0, {}
+        self._error, self._buffered, self._head_bytes, self.headers = None, 0, 0, {}
         self._chunks.clear()
         head: asyncio.Future[int] = loop.create_future()
         self._head = head
@@ -152,8 +157,16 @@ class Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(NotHttp("the worker switched protocols"))
+            return
         except httptools.HttpParserError as exc:
-            self._fail(NotHttp(f"unparsable answer: {exc}"))
+            inner = exc.__context__  # our own callback's refusal, else the parser's
+            self._fail(inner if isinstance(inner, NotHttp) else NotHttp(f"unparsable: {exc}"))
+            return
+        head = self._head
+        if head is not None and not head.done():  # httptools buffers a partial header
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(NotHttp("the answer's head is too large"))
 
     def eof_received(self) -> bool:
         if self._busy and not self.complete and self._error is None:
@@ -179,6 +192,9 @@ class Connection(asyncio.Protocol):
     # --- httptools' callbacks ---------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES:  # many complete headers (or trailers)
+            raise NotHttp("the answer's head is too large")  # feed_data raises it wrapped
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:

@@ -199,6 +199,21 @@ async def test_an_answer_that_is_not_http_is_a_worker_failure() -> None:
     assert caught.value.message == "The worker answered garbage."
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["one-endless-header", "many-headers"])
+async def test_an_answer_head_past_the_bound_is_a_worker_failure(many: bool) -> None:
+    async def endless(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-a: ")
+        for i in range(200):  # 200 x 1 KiB, the client stops reading long before
+            writer.write(b"x-%d: %s\r\n" % (i, b"y" * 1000) if many else b"y" * 1024)
+            await writer.drain()
+
+    async with worker(endless) as url, hop() as client:
+        with pytest.raises(WorkerFailed) as caught:
+            await post(client, url)
+    assert type(caught.value) is WorkerFailed
+    assert "too large" in str(caught.value.__cause__)
+
+
 async def test_a_url_that_is_not_http_is_a_worker_failure() -> None:
     async with hop() as client:
         with pytest.raises(WorkerFailed) as caught:
