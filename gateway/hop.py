@@ -22,7 +22,7 @@ from gateway.state import GatewayState
 from routing.admission import Admitted
 from routing.endpoints import Endpoint
 from routing.errors import RoutingError, UnavailableReason, WorkerUnreachable
-from routing.upstream import UpstreamResponse
+from routing.hopclient import HopResponse
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -96,7 +96,7 @@ class Hop:
             )
         return endpoint
 
-    async def _open(self, endpoint: Endpoint) -> UpstreamResponse:
+    async def _open(self, endpoint: Endpoint) -> HopResponse:
         try:
             return await self._post(endpoint)
         except WorkerUnreachable:
@@ -115,7 +115,7 @@ class Hop:
             self._state.health.unreachable(endpoint.url)
             raise
 
-    async def _post(self, endpoint: Endpoint) -> UpstreamResponse:
+    async def _post(self, endpoint: Endpoint) -> HopResponse:
         headers = _worker_headers(endpoint, self._exchange)
         url = endpoint.url + self._path
         body = worker_body(self._payload, self._exchange.stream, self._admitted, endpoint)
@@ -132,7 +132,7 @@ class Hop:
         url = self.endpoint.url if self.endpoint is not None else self._admitted.lease.endpoint
         self._state.metrics.upstream_errors.labels(model, url, kind).inc()
 
-    async def _relay_answer(self, resp: UpstreamResponse) -> None:
+    async def _relay_answer(self, resp: HopResponse) -> None:
         admitted, exchange = self._admitted, self._exchange
         model, tier = admitted.candidate.model.name, admitted.tier.value
         try:
@@ -144,7 +144,7 @@ class Hop:
         exchange.first_byte = time.perf_counter()
         await send_json(self._send, 200, body, [(b"x-request-id", exchange.rid.encode("latin-1"))])
 
-    async def _relay_stream(self, resp: UpstreamResponse) -> None:
+    async def _relay_stream(self, resp: HopResponse) -> None:
         admitted, exchange, send = self._admitted, self._exchange, self._send
         model, tier = admitted.candidate.model.name, admitted.tier.value
         limit = self._state.config.limits.max_event_bytes
@@ -219,7 +219,7 @@ def worker_body(
     return dumps(forward)
 
 
-async def _worker_refusal(resp: UpstreamResponse) -> GatewayError:
+async def _worker_refusal(resp: HopResponse) -> GatewayError:
     """The worker's own error answer, passed on; if its body cannot be read (too large,
     broke off, stalled), that failure instead: a 502 or 504, never a 500."""
     try:

@@ -17,12 +17,12 @@ from routing.admission import Admission
 from routing.background import BackgroundErrors
 from routing.endpoints import Pools
 from routing.health import Health
+from routing.hopclient import HopClient
 from routing.keeper import Keeper
 from routing.ledger import UsageSpool
 from routing.registry import Registry
 from routing.store import call_timeout, connect, probe, script_store, subscriber
 from routing.storeerrors import StoreErrors
-from routing.upstream import Upstream
 
 # /readyz asks whether scripts may run at most this often while they may (a NOSCRIPT
 # answer counts as a failed call in Redis's own stats); every probe while they may not.
@@ -39,7 +39,7 @@ class GatewayState:
         config: GatewayConfig,
         *,
         redis: aioredis.Redis | None = None,
-        upstream: Upstream | None = None,
+        upstream: HopClient | None = None,
         sweep_interval_s: float = 1.0,
         config_path: str | None = None,
     ) -> None:
@@ -54,7 +54,7 @@ class GatewayState:
             redis if redis is not None else connect(config.redis.url, command_timeout_s=timeout_s)
         )
         capacity = sum(m.capacity for m in self.registry)
-        self.upstream = upstream or Upstream(config.upstream, max_connections=capacity + 64)
+        self.upstream = upstream or HopClient(config.upstream, max_connections=capacity + 64)
         # Store errors of every part, logged by cause once a minute; /readyz reads it too.
         self.store_errors = StoreErrors()
         self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
@@ -150,7 +150,7 @@ class GatewayState:
         await self.upstream.start()
         await self.admission.start()
         await self.keeper.start()
-        await self.health.start(self.upstream.session)
+        await self.health.start()
         if self.config_path is not None:
             self._watcher = ConfigWatcher(self.config_path, self.apply, self.background_errors)
             await self._watcher.start()
@@ -177,7 +177,7 @@ class GatewayState:
         self.health = self._new_health()
         self.health.adopt(previous)
         await previous.close()
-        await self.health.start(self.upstream.session)
+        await self.health.start()
         for gone in old_names - set(self.registry.names()):
             self.admission.set_endpoints(gone, [])
             self.metrics.capacity.labels(gone).set(0)

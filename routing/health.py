@@ -8,8 +8,8 @@ comes back with its next good probe. Endpoints with `metrics: true` also have th
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
 new requests to less loaded workers. Changes reach admission through `on_change`.
 
-Probes go over the aiohttp session it is given at start (the upstream hop's: one pool of
-connections to the workers per process), else over a session of its own.
+Probes go over the aiohttp session it is given at start, else over a session of its own
+(the gateway's case: the hop's connections are routing/hopclient.py's, not aiohttp's).
 
 Signals about a URL this Health does not know are ignored: after a config reload, requests
 still running on an endpoint that left report on it, and nothing on their path may fail.
