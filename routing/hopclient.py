@@ -1,8 +1,8 @@
 """The hop to GPU workers: pooled keep-alive HTTP/1.1 connections (routing/http1.py).
 
-The same seam as routing/upstream.py's aiohttp `Upstream` (`post` -> a response with
-`status`, `headers`, `read`, `chunks`, `close`) and the same translation of failures into
-routing/errors.py `Worker*` errors, at a fraction of its CPU (bench/README.md).
+`post` gives a response with `status`, `headers`, `read`, `chunks`, `close`; failures are
+routing/errors.py `Worker*` errors, translated as the aiohttp client this replaced did, at a
+fraction of its CPU (bench/README.md).
 
 Pool: idle connections per endpoint (scheme, host, port), the most recent reused first; at
 most `max_connections` open in all (a request past it waits, within the connect timeout,
