@@ -23,7 +23,7 @@ import bisect
 import contextlib
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -239,14 +239,21 @@ class Waits:
     late: list[str] = field(default_factory=list)
 
 
-def waits(outcomes: Iterable[Outcome], queue_timeout: dict[str, float], slack_s: float) -> Waits:
+def waits(
+    outcomes: Iterable[Outcome],
+    queue_timeout: dict[str, float],
+    slack_s: float,
+    starved: Callable[[float, float], float] = lambda start, end: 0.0,
+) -> Waits:
     """Every answer came within its tier's queue timeout (none for fail_fast) plus `slack_s`
-    (a Redis call's deadline, one sweep, a margin): nobody waits on a stalled Redis."""
+    (a Redis call's deadline, one sweep, a margin): nobody waits on a stalled Redis. Time a
+    process on the path spent waiting for a CPU meanwhile (`starved`, tests/e2e/
+    starvation.py) is not the gateway waiting: it does not count."""
     found = Waits()
     for out in outcomes:
         if out.status is None:
             continue
-        took = out.answered - out.sent
+        took = out.answered - out.sent - starved(out.sent, out.answered)
         found.longest_s = max(found.longest_s, took)
         allowed = 0.0 if out.spec.fail_fast else queue_timeout[out.spec.tier]
         if out.spec.fail_fast:
