@@ -63,6 +63,8 @@ class CompletionRoute:
         self._state = state
         self._path = path
         self._schema = schema
+        # Asked once: reading a field the schema lacks costs pydantic a raised AttributeError.
+        self._salted = "cache_salt" in schema.model_fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -76,7 +78,7 @@ class CompletionRoute:
             await self._serve(receive, reply, headers, rid, started, note)
         except Exception as exc:  # the last resort (house style): it answers, logs and counts
             if await _crashed(exc, rid, reply, stream=False):
-                self._state.metrics.requests.labels("", "", "500").inc()
+                self._state.metrics.requests_of("", "", "500").inc()
 
     async def _serve(
         self,
@@ -103,7 +105,7 @@ class CompletionRoute:
         except ClientGone:
             return
         except GatewayError as exc:
-            state.metrics.requests.labels("", "", str(exc.status)).inc()
+            state.metrics.requests_of("", "", str(exc.status)).inc()
             await send_error(reply, exc, rid)
             return
         wanted = requested_tier(request.service_tier, headers.service_tier)
@@ -127,7 +129,7 @@ class CompletionRoute:
             if exchange.caller_gone:
                 raise
             await _cut_short(parsed.rid, exchange, reply)
-            self._state.metrics.requests.labels("", "", str(exchange.status)).inc()
+            self._state.metrics.requests_of("", "", str(exchange.status)).inc()
             return
         try:
             hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
@@ -166,7 +168,8 @@ class CompletionRoute:
             wanted=parsed.wanted,
             allowed_tiers=account.tiers,
         )
-        cache_key = affinity_key(request.prompt_cache_key, getattr(request, "cache_salt", None))
+        salt = getattr(request, "cache_salt", None) if self._salted else None
+        cache_key = affinity_key(request.prompt_cache_key, salt)
         admitted = await self._state.admission.admit(
             candidates, account.name, account.max_concurrency, cache_key
         )
@@ -197,26 +200,26 @@ class CompletionRoute:
         tier = parsed.wanted.value if model else ""
         if isinstance(exc, RateLimited):
             metrics.rejections.labels(model, tier, exc.code).inc()
-        metrics.requests.labels(model, tier, str(exc.status)).inc()
+        metrics.requests_of(model, tier, str(exc.status)).inc()
         if parsed.note is not None:
             parsed.note.model, parsed.note.tier = model or None, tier or None
 
     def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
         metrics = self._state.metrics
         model, tier = admitted.candidate.model.name, admitted.tier.value
-        metrics.requests.labels(model, tier, str(exchange.status)).inc()
-        metrics.duration.labels(model, tier).observe(time.perf_counter() - exchange.started)
+        metrics.requests_of(model, tier, str(exchange.status)).inc()
+        metrics.duration_of(model, tier).observe(time.perf_counter() - exchange.started)
         ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
         if ttft is not None:
-            metrics.ttft.labels(model, tier).observe(ttft)
+            metrics.ttft_of(model, tier).observe(ttft)
         if note is not None:
             note.model, note.tier, note.status = model, tier, exchange.status
             note.queue_ms = round(admitted.lease.queued_ms, 3)
             note.ttft_ms = None if ttft is None else round(ttft * 1000, 3)
         usage = exchange.usage
         if usage.reported:
-            metrics.tokens.labels(model, tier, "prompt").inc(usage.prompt_tokens)
-            metrics.tokens.labels(model, tier, "completion").inc(usage.completion_tokens)
+            metrics.tokens_of(model, tier, "prompt").inc(usage.prompt_tokens)
+            metrics.tokens_of(model, tier, "completion").inc(usage.completion_tokens)
 
 
 async def _until_disconnect(
