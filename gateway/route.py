@@ -43,6 +43,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange, Parsed, Usage
 from gateway.hop import Hop
+from gateway.protocol import forget_disconnect, on_disconnect
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
 from gateway.trace import trace_headers
@@ -225,18 +226,23 @@ class CompletionRoute:
 async def _until_disconnect(
     work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
 ) -> None:
-    """Run `work`, cancelling it at once if the caller disconnects before it has finished."""
+    """Run `work`, cancelling it at once if the caller disconnects before it has finished:
+    told by the server protocol (gateway/protocol.py), else by a task waiting on `receive`."""
     task = asyncio.current_task()
     assert task is not None
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    def gone() -> None:
         if not exchange.finished:
             exchange.caller_gone = True
             task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone()
+
+    told = on_disconnect(receive, gone)
+    watcher = None if told else asyncio.get_running_loop().create_task(watch())
     try:
         await work
     except asyncio.CancelledError:
@@ -244,7 +250,10 @@ async def _until_disconnect(
             raise
         task.uncancel()
     finally:
-        watcher.cancel()
+        if watcher is None:
+            forget_disconnect(receive)
+        else:
+            watcher.cancel()
 
 
 async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool:
