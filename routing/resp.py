@@ -84,8 +84,7 @@ class _Protocol(asyncio.Protocol):
         # At most one, set for the oldest pending call's deadline (or an earlier one's).
         self._timer: asyncio.TimerHandle | None = None
         # Calls of one loop tick leave in one write: with many requests in flight this turns
-        # a syscall per call into one per tick, at the cost of one tick of latency. A call
-        # made while nothing is in flight nor queued is written at once (bench/README.md).
+        # a syscall per call into one per tick, at the cost of one tick of latency.
         self._out: list[bytes] = []
         self._out_bytes = 0
         self.closed = False
@@ -122,15 +121,9 @@ class _Protocol(asyncio.Protocol):
         elif self._timer is not None and self._timer.when() > deadline:
             self._timer.cancel()  # set for a later call already answered: this one is due first
             self._timer = None
-        idle = not pending and not self._out
         pending.append((future, count, [], deadline))
         if self._timer is None:
             self._timer = loop.call_at(deadline, self._check_deadline)
-        if idle:
-            # Nothing in flight and nothing queued: no other call is likely to join this
-            # tick's write, so it leaves now (a loop iteration sooner at low load).
-            transport.write(payload)
-            return future
         if not self._out:
             loop.call_soon(self._flush)
         self._out.append(payload)

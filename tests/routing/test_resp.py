@@ -332,23 +332,3 @@ async def test_the_lean_client_reaches_the_database_redis_py_does(
             await db0.aclose()
     finally:
         server.stop()
-
-
-async def test_a_call_with_none_in_flight_is_written_at_once_others_join_the_ticks_write(
-    fake: FakeRedis, make: Make
-) -> None:
-    client = make(fake.url(), command_timeout_s=30)
-    first = client.send([["PING"]])
-    await asyncio.wait_for(fake.wait_received(b"PING"), 5)  # connected
-    fake.answer()
-    assert await asyncio.wait_for(first, 5) == [b"PONG"]
-    protocol = client._protocol
-    assert protocol is not None
-    alone = client.send([["ECHO", "alone"]])  # nothing in flight: no tick's wait
-    assert protocol._out == []
-    joined = client.send([["ECHO", "joined"]])  # one in flight: joins this tick's write
-    assert protocol._out != []
-    await asyncio.wait_for(fake.wait_received(b"joined"), 5)
-    assert fake.received.index(b"alone") < fake.received.index(b"joined")
-    fake.answer(2)
-    assert await asyncio.wait_for(asyncio.gather(alone, joined), 5) == [[b"PONG"], [b"PONG"]]
