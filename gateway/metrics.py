@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -43,6 +43,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # the value last set by any live process. Each process sets them again before it renders.
 SHARED_VIEW: Final = "livemostrecent"
 _shared_dir: str | None = None
+# Labelled children kept per family by `Children`: far above the series config can make
+# (models x tiers x codes), small in memory; past it the cache starts over.
+MAX_CHILDREN = 4096
+
+FamilyT = TypeVar("FamilyT", Counter, Histogram)
 
 
 def share_across_processes(directory: str) -> None:
@@ -99,6 +104,12 @@ class Metrics:
             "gateway_tokens", "Tokens processed, from the workers' usage.",
             ["model", "tier", "kind"], registry=r,
         )  # fmt: skip
+        # The hot path's children, looked up once per label values (`labels` checks and
+        # converts every value and takes a lock on each call).
+        self.requests_of = Children(self.requests)
+        self.duration_of = Children(self.duration)
+        self.ttft_of = Children(self.ttft)
+        self.tokens_of = Children(self.tokens)
 
     def _declare_admission(self, r: CollectorRegistry) -> None:
         """Slots and queues: who waits, who holds, who was turned away or fell back."""
@@ -211,6 +222,30 @@ class Metrics:
     def render(self) -> bytes:
         self.publish()
         return generate_latest(self._scrape)
+
+
+class Children(Generic[FamilyT]):
+    """A family's labelled children, cached by their label values (at most `limit`, then
+    the cache starts over: the family itself keeps every child, so a value is never lost).
+    Families are never pruned of children (no `remove`), so a cached child stays theirs."""
+
+    __slots__ = ("_cache", "_family", "_limit")
+
+    def __init__(self, family: FamilyT, limit: int = MAX_CHILDREN) -> None:
+        self._family: FamilyT = family
+        self._limit = limit
+        self._cache: dict[tuple[str, ...], FamilyT] = {}
+
+    def __call__(self, *values: str) -> FamilyT:
+        child = self._cache.get(values)
+        if child is None:
+            if len(self._cache) >= self._limit:
+                self._cache.clear()
+            child = self._cache[values] = self._family.labels(*values)
+        return child
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 class _BackgroundErrors(Collector):

@@ -43,6 +43,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange, Parsed, Usage
 from gateway.hop import Hop
+from gateway.protocol import forget_disconnect, on_disconnect
 from gateway.schemas.common import GatewayRequest
 from gateway.state import GatewayState
 from gateway.trace import trace_headers
@@ -63,6 +64,8 @@ class CompletionRoute:
         self._state = state
         self._path = path
         self._schema = schema
+        # Asked once: reading a field the schema lacks costs pydantic a raised AttributeError.
+        self._salted = "cache_salt" in schema.model_fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -76,7 +79,7 @@ class CompletionRoute:
             await self._serve(receive, reply, headers, rid, started, note)
         except Exception as exc:  # the last resort (house style): it answers, logs and counts
             if await _crashed(exc, rid, reply, stream=False):
-                self._state.metrics.requests.labels("", "", "500").inc()
+                self._state.metrics.requests_of("", "", "500").inc()
 
     async def _serve(
         self,
@@ -103,7 +106,7 @@ class CompletionRoute:
         except ClientGone:
             return
         except GatewayError as exc:
-            state.metrics.requests.labels("", "", str(exc.status)).inc()
+            state.metrics.requests_of("", "", str(exc.status)).inc()
             await send_error(reply, exc, rid)
             return
         wanted = requested_tier(request.service_tier, headers.service_tier)
@@ -127,7 +130,7 @@ class CompletionRoute:
             if exchange.caller_gone:
                 raise
             await _cut_short(parsed.rid, exchange, reply)
-            self._state.metrics.requests.labels("", "", str(exchange.status)).inc()
+            self._state.metrics.requests_of("", "", str(exchange.status)).inc()
             return
         try:
             hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
@@ -166,7 +169,8 @@ class CompletionRoute:
             wanted=parsed.wanted,
             allowed_tiers=account.tiers,
         )
-        cache_key = affinity_key(request.prompt_cache_key, getattr(request, "cache_salt", None))
+        salt = getattr(request, "cache_salt", None) if self._salted else None
+        cache_key = affinity_key(request.prompt_cache_key, salt)
         admitted = await self._state.admission.admit(
             candidates, account.name, account.max_concurrency, cache_key
         )
@@ -197,43 +201,48 @@ class CompletionRoute:
         tier = parsed.wanted.value if model else ""
         if isinstance(exc, RateLimited):
             metrics.rejections.labels(model, tier, exc.code).inc()
-        metrics.requests.labels(model, tier, str(exc.status)).inc()
+        metrics.requests_of(model, tier, str(exc.status)).inc()
         if parsed.note is not None:
             parsed.note.model, parsed.note.tier = model or None, tier or None
 
     def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
         metrics = self._state.metrics
         model, tier = admitted.candidate.model.name, admitted.tier.value
-        metrics.requests.labels(model, tier, str(exchange.status)).inc()
-        metrics.duration.labels(model, tier).observe(time.perf_counter() - exchange.started)
+        metrics.requests_of(model, tier, str(exchange.status)).inc()
+        metrics.duration_of(model, tier).observe(time.perf_counter() - exchange.started)
         ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
         if ttft is not None:
-            metrics.ttft.labels(model, tier).observe(ttft)
+            metrics.ttft_of(model, tier).observe(ttft)
         if note is not None:
             note.model, note.tier, note.status = model, tier, exchange.status
             note.queue_ms = round(admitted.lease.queued_ms, 3)
             note.ttft_ms = None if ttft is None else round(ttft * 1000, 3)
         usage = exchange.usage
         if usage.reported:
-            metrics.tokens.labels(model, tier, "prompt").inc(usage.prompt_tokens)
-            metrics.tokens.labels(model, tier, "completion").inc(usage.completion_tokens)
+            metrics.tokens_of(model, tier, "prompt").inc(usage.prompt_tokens)
+            metrics.tokens_of(model, tier, "completion").inc(usage.completion_tokens)
 
 
 async def _until_disconnect(
     work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
 ) -> None:
-    """Run `work`, cancelling it at once if the caller disconnects before it has finished."""
+    """Run `work`, cancelling it at once if the caller disconnects before it has finished:
+    told by the server protocol (gateway/protocol.py), else by a task waiting on `receive`."""
     task = asyncio.current_task()
     assert task is not None
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    def gone() -> None:
         if not exchange.finished:
             exchange.caller_gone = True
             task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone()
+
+    told = on_disconnect(receive, gone)
+    watcher = None if told else asyncio.get_running_loop().create_task(watch())
     try:
         await work
     except asyncio.CancelledError:
@@ -241,7 +250,10 @@ async def _until_disconnect(
             raise
         task.uncancel()
     finally:
-        watcher.cancel()
+        if watcher is None:
+            forget_disconnect(receive)
+        else:
+            watcher.cancel()
 
 
 async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool:

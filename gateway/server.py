@@ -12,6 +12,8 @@ from types import FrameType
 
 import uvicorn
 
+from gateway.protocol import GatewayProtocol
+
 try:  # uvloop is not on every platform; httptools is
     import uvloop  # noqa: F401
 
@@ -26,7 +28,7 @@ def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         loop=LOOP,
-        http="httptools",
+        http=GatewayProtocol,  # httptools, each answer in one write (gateway.protocol.py)
         lifespan="on",
         access_log=False,  # the gateway's own access log, if asked for (gateway/access.py)
         log_level="warning",

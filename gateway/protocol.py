@@ -1,0 +1,136 @@
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol with each answer
+in one write, and a callback (no task) for a caller that disconnects mid-request.
+
+uvicorn writes a response's status line and headers as soon as the app sends
+`http.response.start`, and the body apart: two `send` syscalls and two TCP segments per
+answer, where one does. Here the connection's transport holds a head back until the next
+write (the body, in the same loop turn for every answer the gateway sends) and sends both
+in one. A head nothing follows in its loop turn (an app that sends its start and then
+waits) leaves at the next turn, so nothing waits longer than that. Order is kept: any
+other write, a close or an EOF sends a held head first.
+
+A request that must stop when its caller disconnects used to keep a task waiting on ASGI
+`receive` for `http.disconnect`; on this protocol `on_disconnect` registers a callback
+that the lost connection calls instead (uvicorn's own signal: the request's cycle marked
+disconnected), which spares a task per request. On any other server it answers False and
+the caller waits on `receive` as before. Both measured in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+# What starts a response head as uvicorn writes it (its STATUS_LINE table); `100 Continue`
+# is an interim answer, not a head a body follows, and is never held.
+_HEAD = b"HTTP/1.1 "
+_CONTINUE = b"HTTP/1.1 100 "
+_HEAD_END = b"\r\n\r\n"
+
+
+class HeadJoiningTransport:
+    """A transport's stand-in that holds a response head until the next write."""
+
+    __slots__ = ("_head", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._transport.write(head + data)
+        elif data.startswith(_HEAD) and data.endswith(_HEAD_END) and not data.startswith(_CONTINUE):
+            self._head = data
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        """Send a held head now (nothing followed it in its loop turn)."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            if not self._transport.is_closing():
+                self._transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._head = None
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._head or b"")
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the transport, as it is
+        return getattr(self._transport, name)
+
+
+# The attribute of a uvicorn request cycle holding its disconnect callback.
+_ON_LOST = "_gateway_on_lost"
+
+
+class GatewayProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol on a `HeadJoiningTransport`, calling the current
+    request's `on_disconnect` callback when the connection is lost before its answer."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        loop = asyncio.get_running_loop()
+        wrapped = HeadJoiningTransport(transport, loop)  # type: ignore[arg-type]
+        super().connection_made(wrapped)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            callback = cycle.__dict__.pop(_ON_LOST, None)
+            if callback is not None:
+                callback()
+
+
+def on_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) -> bool:
+    """Have `callback` called once if the caller of the request whose ASGI `receive` this
+    is disconnects before its answer is complete (at once if it has already). False when
+    the request is not served by `GatewayProtocol`: then nothing is registered."""
+    cycle = getattr(receive, "__self__", None)
+    if not isinstance(cycle, RequestResponseCycle) or not isinstance(
+        cycle.transport, HeadJoiningTransport
+    ):
+        return False
+    if cycle.disconnected:
+        callback()
+    else:
+        setattr(cycle, _ON_LOST, callback)
+    return True
+
+
+def forget_disconnect(receive: Callable[..., Any]) -> None:
+    """The request is over: its callback, if still registered, is dropped."""
+    cycle = getattr(receive, "__self__", None)
+    if cycle is not None:
+        cycle.__dict__.pop(_ON_LOST, None)

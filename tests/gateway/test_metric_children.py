@@ -1,0 +1,52 @@
+"""gateway/metrics.py `Children`: a family's labelled children, cached and bounded."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.metrics import MAX_CHILDREN, Children, Metrics
+
+
+def _counter() -> Counter:
+    return Counter("c", "A counter.", ["model", "tier", "code"], registry=CollectorRegistry())
+
+
+def test_a_child_is_the_familys_own_and_looked_up_once() -> None:
+    family = _counter()
+    children = Children(family)
+    child = children("m", "default", "200")
+    assert child is family.labels("m", "default", "200")
+    assert children("m", "default", "200") is child
+    child.inc()
+    children("m", "default", "200").inc(2)
+    assert family.labels("m", "default", "200")._value.get() == 3
+
+
+def test_the_cache_is_bounded_and_no_count_is_lost_past_it() -> None:
+    family = _counter()
+    children = Children(family, limit=4)
+    for i in range(10):
+        children("m", "t", str(i)).inc()
+        assert len(children) <= 4
+    children("m", "t", "0").inc()  # dropped from the cache: the family still holds it
+    assert family.labels("m", "t", "0")._value.get() == 2
+    assert sum(family.labels("m", "t", str(i))._value.get() for i in range(10)) == 11
+
+
+def test_histogram_children_observe_into_the_family() -> None:
+    family = Histogram("h", "A histogram.", ["model", "tier"], registry=CollectorRegistry())
+    children = Children(family)
+    children("m", "t").observe(0.5)
+    assert family.labels("m", "t")._sum.get() == 0.5
+
+
+def test_the_hot_families_have_caches_of_the_default_bound() -> None:
+    metrics = Metrics()
+    metrics.requests_of("m", "default", "200").inc()
+    metrics.duration_of("m", "default").observe(0.1)
+    metrics.ttft_of("m", "default").observe(0.1)
+    metrics.tokens_of("m", "default", "prompt").inc(3)
+    text = metrics.render().decode()
+    assert 'gateway_requests_total{code="200",model="m",tier="default"} 1.0' in text
+    assert 'gateway_tokens_total{kind="prompt",model="m",tier="default"} 3.0' in text
+    assert MAX_CHILDREN >= 1000

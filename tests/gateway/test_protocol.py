@@ -1,0 +1,160 @@
+"""gateway.protocol.py: a response head leaves with its body, in one write, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import uvicorn
+
+from gateway.protocol import GatewayProtocol, HeadJoiningTransport, forget_disconnect, on_disconnect
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+
+
+class _Recorder:
+    """A transport that records what it is asked to do."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.calls: list[str] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.calls.append("close")
+        self.closing = True
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self.closing = True
+
+    def write_eof(self) -> None:
+        self.calls.append("write_eof")
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 1)}.get(name, default)
+
+
+def _joining() -> tuple[HeadJoiningTransport, _Recorder]:
+    inner = _Recorder()
+    return HeadJoiningTransport(inner, asyncio.get_running_loop()), inner  # type: ignore[arg-type]
+
+
+async def test_a_head_and_its_body_leave_in_one_write() -> None:
+    joined, inner = _joining()
+    joined.write(HEAD)
+    assert inner.writes == []
+    assert joined.get_write_buffer_size() == len(HEAD)
+    joined.write(b"{}")
+    assert inner.writes == [HEAD + b"{}"]
+    joined.write(b"more")  # not a head: straight through
+    assert inner.writes == [HEAD + b"{}", b"more"]
+
+
+async def test_a_head_nothing_follows_leaves_on_the_next_loop_turn() -> None:
+    joined, inner = _joining()
+    joined.write(HEAD)
+    await asyncio.sleep(0)
+    assert inner.writes == [HEAD]
+    joined.write(b"{}")
+    assert inner.writes == [HEAD, b"{}"]
+
+
+async def test_an_interim_100_continue_is_never_held() -> None:
+    joined, inner = _joining()
+    joined.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert inner.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+
+
+async def test_close_and_eof_send_a_held_head_first_abort_drops_it() -> None:
+    joined, inner = _joining()
+    joined.write(HEAD)
+    joined.close()
+    assert inner.writes == [HEAD] and inner.calls == ["close"]
+    joined, inner = _joining()
+    joined.write(HEAD)
+    joined.write_eof()
+    assert inner.writes == [HEAD] and inner.calls == ["write_eof"]
+    joined, inner = _joining()
+    joined.write(HEAD)
+    joined.abort()
+    await asyncio.sleep(0)
+    assert inner.writes == [] and inner.calls == ["abort"]
+
+
+async def test_the_rest_of_the_transport_is_the_inner_ones() -> None:
+    joined, _ = _joining()
+    assert joined.get_extra_info("peername") == ("127.0.0.1", 1)
+    assert joined.get_extra_info("nothing", 7) == 7
+    assert not joined.is_closing()
+
+
+class _App:
+    """Answers `/answer` at once; on `/hold` registers a disconnect callback and waits."""
+
+    def __init__(self) -> None:
+        self.registered = asyncio.Event()
+        self.lost = asyncio.Event()
+        self.told: bool | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/answer":
+            head = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": b"{}"})
+            return
+        self.told = on_disconnect(receive, self.lost.set)
+        self.registered.set()
+        try:
+            await asyncio.wait_for(self.lost.wait(), 10)
+        finally:
+            forget_disconnect(receive)
+
+
+async def _serving(app: _App) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=GatewayProtocol, lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    sock.listen(16)  # connections wait in the backlog until the server accepts them
+    task = asyncio.get_running_loop().create_task(server.serve([sock]))
+    return server, task, sock.getsockname()[1]
+
+
+async def test_an_answer_is_whole_and_a_lost_caller_calls_back_without_a_task() -> None:
+    app = _App()
+    server, task, port = await _serving(app)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /answer HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: 2" in head
+        assert await asyncio.wait_for(reader.readexactly(2), 5) == b"{}"
+        writer.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(app.registered.wait(), 5)
+        assert app.told is True
+        writer.close()
+        await asyncio.wait_for(app.lost.wait(), 5)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def test_on_another_server_nothing_is_registered() -> None:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    assert on_disconnect(receive, lambda: None) is False
+    forget_disconnect(receive)  # harmless
