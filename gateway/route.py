@@ -168,7 +168,7 @@ class CompletionRoute:
         )
         cache_key = affinity_key(request.prompt_cache_key, getattr(request, "cache_salt", None))
         admitted = await self._state.admission.admit(
-            candidates, account.name, account.max_concurrency, cache_key
+            candidates, account.name, account.max_concurrency, cache_key, account.weight
         )
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name

@@ -44,6 +44,7 @@ from routing.slots import (
     ModelSlots,
     Timing,
     account_key,
+    make_lease_id,
     text,
 )
 from routing.store import Store
@@ -127,8 +128,10 @@ class Admission:
         account: str,
         account_limit: int,
         cache_key: str | None = None,
+        weight: float = 1.0,
     ) -> Admitted:
-        lease_id = f"{self.replica_id}-{next(self._ids)}"
+        """`weight`: the account's share among the accounts waiting in a tier (fair share)."""
+        lease_id = make_lease_id(f"{self.replica_id}-{next(self._ids)}", weight, account)
         walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
         try:
             try:
@@ -213,7 +216,9 @@ class Admission:
 
     def _add(self, model: Model, tiers: TiersConfig) -> None:
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        slots = ModelSlots(model.name, utilization, model.config.max_queue, self.timing)
+        slots = ModelSlots(
+            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers)
+        )
         # Every endpoint is in rotation until health checks say otherwise.
         slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
         self.slots[model.name] = slots
@@ -233,7 +238,7 @@ class Admission:
             if slots is None:
                 self._add(model, tiers)
             else:
-                slots.configure(utilization, model.config.max_queue)
+                slots.configure(utilization, model.config.max_queue, _fair(tiers))
 
     def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
@@ -247,3 +252,8 @@ class Admission:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         await self.handback.drain(timeout_s)
+
+
+def _fair(tiers: TiersConfig) -> dict[Tier, bool]:
+    """Which tiers share between accounts (`tiers.<tier>.fairness`)."""
+    return {t: tiers.policy(t).fairness == "accounts" for t in Tier}

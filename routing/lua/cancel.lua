@@ -2,11 +2,11 @@
 -- Returns '' if it was still queued (and is removed), else the endpoint it was granted
 -- meanwhile (its wake-up may still be on the way): the slot is its own now, claimed for
 -- the full lease TTL.
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  redis.call('ZREM', KEYS[7], ARGV[1])
+redis.call('ZREM', KEYS[7], ARGV[1])  -- the first write, not `denyoom` (prelude: `expire`)
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  unqueue(ARGV[1])
   return ''
 end
-redis.call('ZREM', KEYS[7], ARGV[1])
 local ep = redis.call('HGET', KEYS[3], ARGV[1])
 if not ep then return '' end
 redis.call('ZADD', KEYS[1], 'XX', now_ms() + tonumber(ARGV[2]), ARGV[1])
