@@ -117,7 +117,6 @@ class ModelSlots:
                 "qexp",
                 "rebuild",
                 "state",
-                "held",
             )
         ]
         self.channel = tag + "wake"

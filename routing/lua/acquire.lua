@@ -3,7 +3,7 @@
 --       6.. endpoints (n, then url, max, penalty triples, in the order `pick` tries them),
 --       then the channel, the spec (prelude: `parse_spec`), and in one argument
 --       "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" (known: this replica has
---       seen the model's state before, 0|1; see `lost`); with KEYS[11], then the account's
+--       seen the model's state before, 0|1; see `lost`); with KEYS[10], then the account's
 --       limit. The id carries its account and weight (prelude: `account_of`).
 -- The common case reads only the first six and the endpoints: an argument costs a script
 -- about 75 ns whether it reads it or not, so the others come packed.
@@ -17,12 +17,12 @@ local now = now_ms()
 -- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
 -- queued before leaves its place below, in the rest: the queue is not empty then).
 redis.call('ZREM', KEYS[7], id)
--- On one Redis a walk's first try takes the account's own slot here too: KEYS[11] is its
+-- On one Redis a walk's first try takes the account's own slot here too: KEYS[10] is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
-if KEYS[11] then
+if KEYS[10] then
   local limit = tonumber(ARGV[10 + 3 * tonumber(ARGV[6])])
-  if not take_account(KEYS[11], id, limit, ttl, now) then return {-2, '', 0, 0, 0, 0} end
+  if not take_account(KEYS[10], id, limit, ttl, now) then return {-2, '', 0, 0, 0, 0} end
 end
 -- The common case costs a few reads: room for the tier, nobody queued, the model's state
 -- known and no rebuild. Then there is nothing to pump, and leases that expired meanwhile
@@ -67,6 +67,7 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   local ep = pick(ARGV, 6, ARGV[5])
   if ep then
     grant(id, ep, now + ttl)
+    count(id, 1)
     reweigh(id, #ceilings)
     return {1, ep, inflight + 1, 0, 0, 0}
   end

@@ -15,20 +15,8 @@
 --                  no slot is granted until every replica has written back its own
 -- KEYS[9] state    STRING, present while Redis holds this model's state: a replica that has
 --                  seen it before and finds it gone knows Redis restarted empty or failed over
--- KEYS[10] held    HASH account -> this model's leases held by the account (fair share)
--- Fair share (per tier): an id ends in "~weight~account" (routing/admission.py), so every
--- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
--- lease too). Each queued waiter is also in its account's queue of its tier, and each
--- waiting account in its tier's index (prelude's rest: `enqueue`, `fair_head`). Those keys
--- are named from KEYS[2] with the model's hash tag, so they live on the model's node.
+-- Fair share's keys (prelude's rest) are named after KEYS[2], with the same hash tag.
 local RANK = 1e15
-local RANKS = 3  -- tiers (tiers/policy.py)
-
--- The account and weight an id carries ('' and 1 for an id without them).
-local function account_of(id)
-  local w, a = string.match(id, '~([^~]*)~([^~]*)$')
-  return a or '', tonumber(w) or 1
-end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -44,8 +32,6 @@ end
 -- Forget a lease. Its first write (ZREM) is not `denyoom`: see `expire`.
 local function drop_lease(id)
   if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
-  local acct = account_of(id)
-  if redis.call('HINCRBY', KEYS[10], acct, '-1') <= 0 then redis.call('HDEL', KEYS[10], acct) end
   local ep = redis.call('HGET', KEYS[3], id)
   if ep then
     redis.call('HINCRBY', KEYS[4], ep, '-1')
@@ -79,7 +65,6 @@ end
 
 local function grant(id, ep, expiry)
   redis.call('ZADD', KEYS[1], score(expiry), id)
-  redis.call('HINCRBY', KEYS[10], (account_of(id)), '1')
   redis.call('HSET', KEYS[3], id, ep)
   redis.call('HINCRBY', KEYS[4], ep, '1')
 end
@@ -100,14 +85,51 @@ end
 
 -- @rest
 
--- Fair share's keys, named after the queue's (same hash tag): per tier, each waiting
--- account's queue (ZSET waiter -> sequence) and the index of waiting accounts (ZSET
--- "sequence of its oldest waiter, 16 digits" .. account -> its held leases / weight: the
--- lowest score first, ties to the oldest waiter, which the member's order gives).
+-- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
+-- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
+-- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
+-- `held`   HASH account -> leases of the model it holds: counted only while someone waits
+--          (the common case pays nothing), counted afresh from the leases when the queue
+--          stops being empty (`enqueue`);
+-- per tier, each waiting account's queue (ZSET waiter -> sequence), and the index of the
+-- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
+-- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
+local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 local BASE = string.sub(KEYS[2], 1, -6)
+local HELD = BASE .. 'held'
 local function account_queue(rank, acct) return BASE .. 'fq:' .. rank .. ':' .. acct end
 local function account_index(rank) return BASE .. 'fi:' .. rank end
 local function member(seq, acct) return string.format('%016d', seq) .. acct end
+
+-- The account and weight an id carries ('' and 1 for an id without them).
+local function account_of(id)
+  local w, a = string.match(id, '~([^~]*)~([^~]*)$')
+  return a or '', tonumber(w) or 1
+end
+
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
+local function count(id, delta)
+  if redis.call('ZCARD', KEYS[2]) == 0 then return end
+  local acct = account_of(id)
+  if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
+end
+
+-- Count every account's leases afresh (O(leases), once each time the queue stops being
+-- empty; leases granted meanwhile were not counted).
+local function recount()
+  redis.call('DEL', HELD)
+  local per = {}
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local acct = account_of(id)
+    per[acct] = (per[acct] or 0) + 1
+  end
+  local flat = {}
+  for acct, n in pairs(per) do
+    flat[#flat + 1] = acct
+    flat[#flat + 1] = n
+  end
+  if #flat > 0 then redis.call('HSET', HELD, unpack(flat)) end
+end
 
 -- Put `acct`'s entry in the index of `rank` right: after its oldest waiter or its leases
 -- changed. `old`: its member before, when known to be in the index.
@@ -117,7 +139,7 @@ local function reindex(rank, acct, weight, old)
   local index = account_index(rank)
   if old then redis.call('ZREM', index, old) end
   if not head[1] then return end
-  local ratio = (tonumber(redis.call('HGET', KEYS[10], acct)) or 0) / weight
+  local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
   redis.call('ZADD', index, string.format('%.17g', ratio), member(tonumber(head[2]), acct))
 end
 
@@ -133,6 +155,7 @@ end
 
 -- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
 local function enqueue(id, rank, seq)
+  if redis.call('ZCARD', KEYS[2]) == 0 then recount() end
   redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
@@ -150,6 +173,7 @@ local function unqueue(id)
   local place = redis.call('ZSCORE', KEYS[2], id)
   if not place then return end
   redis.call('ZREM', KEYS[2], id)
+  if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('DEL', HELD) end
   local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
@@ -192,7 +216,9 @@ local function expire(now, waiting, ranks)
   redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', upto)
   for _, id in ipairs(late) do unqueue(id) end
   local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
-  for _, id in ipairs(gone) do drop_lease(id) end
+  for _, id in ipairs(gone) do
+    if drop_lease(id) == 1 then count(id, -1) end
+  end
   if #gone > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
     for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
   end
@@ -255,6 +281,7 @@ local function pump(now, claim, ceilings, fair, src, eps, channel)
     if not ep then break end
     unqueue(id)
     grant(id, ep, now + claim)
+    count(id, 1)
     reweigh(id, #ceilings)
     redis.call('PUBLISH', channel, id .. ' ' .. ep)
     granted = granted + 1
@@ -271,6 +298,7 @@ local function hold(id, ep, expiry)
     return 0
   end
   grant(id, ep, expiry)
+  count(id, 1)
   return 1
 end
 
