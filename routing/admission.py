@@ -172,7 +172,7 @@ class Admission:
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier)
-            retry = self.retry_after(cand.model.name, result.ahead)
+            retry = self.retry_after(cand.model.name, result.turn)
             last = refusals.rejection(cand.model.name, tier, result, retry)
         assert last is not None
         raise last

@@ -38,6 +38,9 @@ class Attempt:
     place: int
     # For BUSY while Redis is being rebuilt: ms until the rebuild window ends (else 0).
     rebuild_ms: int = 0
+    # For BUSY/QUEUED/FULL: the grants likely to go before it (its own turn under fair
+    # share; else `ahead`).
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +231,10 @@ class ModelSlots:
 
 
 def attempt(reply: Sequence[Any]) -> Attempt:
+    ahead = int(reply[3])
+    turn = int(reply[6]) if len(reply) > 6 else ahead
     return Attempt(
-        int(reply[0]), text(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), int(reply[5])
+        int(reply[0]), text(reply[1]), int(reply[2]), ahead, int(reply[4]), int(reply[5]), turn
     )
 
 

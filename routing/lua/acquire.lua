@@ -7,10 +7,10 @@
 --       limit. The id carries its account and weight (prelude: `account_of`).
 -- The common case reads only the first six and the endpoints: an argument costs a script
 -- about 75 ns whether it reads it or not, so the others come packed.
--- Returns {status, endpoint, inflight, ahead, seq, rebuild}: status 1 granted, 2 queued
+-- Returns {status, endpoint, inflight, ahead, seq, rebuild, turn}: status 1 granted, 2 queued
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
--- tier; in a tier that shares between accounts, the grants likely to go first: `fair_ahead`),
--- -2 the account is at its limit; rebuild = ms left of the rebuild window when that
+-- tier), -2 the account is at its limit; turn (when not granted) = the grants likely to go
+-- first (in a tier that shares between accounts, `fair_ahead`; else ahead); rebuild = ms left of the rebuild window when that
 -- is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
@@ -73,17 +73,17 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   end
 end
 local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
-local estimate = fair[rank + 1] and fair_ahead(rank, ahead) or ahead
+local turn = fair[rank + 1] and fair_ahead(rank, ahead) or ahead
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
 if rebuilding() then
-  return {0, '', inflight, estimate, 0, math.max(1, redis.call('PTTL', KEYS[8]))}
+  return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', KEYS[8])), turn}
 end
-if may_wait ~= '1' then return {0, '', inflight, estimate, 0, 0} end
+if may_wait ~= '1' then return {0, '', inflight, ahead, 0, 0, turn} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(max_queue) then return {-1, '', inflight, estimate, 0, 0} end
+if ahead >= tonumber(max_queue) then return {-1, '', inflight, ahead, 0, 0, turn} end
 local seq = redis.call('INCR', KEYS[5])
 enqueue(id, rank, seq)
 redis.call('ZADD', KEYS[7], now + tonumber(waiter_ttl), id)
-return {2, '', inflight, estimate, seq, 0}
+return {2, '', inflight, ahead, seq, 0, turn}

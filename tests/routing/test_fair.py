@@ -132,12 +132,12 @@ async def test_newcomers_estimate_their_own_position(real_redis: aioredis.Redis)
     await fill(m, "a", 2)
     await queue_up(m, "a", 10)
     b = await m.acquire(lid("b", 1), may_wait=True)
-    assert (b.status, b.ahead) == (QUEUED, 1)  # a's next grant, then b's
+    assert (b.status, b.ahead, b.turn) == (QUEUED, 10, 1)  # a's next grant, then b's
     again = await m.acquire(lid("a", 99), may_wait=True)
-    assert again.ahead == 11  # behind a's own ten and b's one
+    assert (again.ahead, again.turn) == (11, 11)  # behind a's own ten and b's one
     fifo = Model(real_redis, fair_slots(fifo=True))
-    fifo.slots.model = "n"
-    assert (await fifo.acquire(lid("b", 2), may_wait=True)).ahead == 12
+    busy = await fifo.acquire(lid("b", 2))  # the same queue, in arrival order
+    assert (busy.ahead, busy.turn) == (12, 12)
 
 
 async def test_sweep_rebuilds_the_account_queues_redis_lost(real_redis: aioredis.Redis) -> None:
