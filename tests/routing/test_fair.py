@@ -5,9 +5,15 @@ sweep's write-back and dead replicas' leases keep the account queues right."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import redis.asyncio as aioredis
 
-from routing.slots import GRANTED, QUEUED, RANK, ModelSlots, make_lease_id, text
+from routing.scripts import Scripts
+from routing.slots import GRANTED, QUEUED, RANK, ModelSlots, attempt, make_lease_id, text
+from tests.redis_cluster import RedisCluster
+from tests.routing.test_cluster import lean_store
 from tests.routing.test_slots import TIMING, A, B, Model
 from tiers.policy import Tier
 
@@ -165,3 +171,34 @@ async def test_a_dead_replicas_leases_stop_counting(real_redis: aioredis.Redis) 
     await m.expire_lease(held[1])
     await m.sweep()  # two slots back: a holds none now, so one each in arrival order
     assert {a_waiting[0], b_waiting[0]} == await m.leases()
+
+
+async def test_fair_share_runs_on_a_cluster(empty_cluster: RedisCluster) -> None:
+    """The account queues and index are named inside the scripts under the model's hash tag:
+    a Redis Cluster runs them on the model's node like the declared keys."""
+    store = lean_store(empty_cluster)
+    scripts = Scripts()
+    made = fair_slots()
+
+    async def run(call: Any) -> Any:
+        return await asyncio.wait_for(scripts.call(store, call), 5)
+
+    try:
+        held = [lid("a", i) for i in range(2)]
+        for lease in held:
+            assert (
+                attempt(await run(made.acquire(lease, Tier.DEFAULT, may_wait=False))).status
+                == GRANTED
+            )
+        waiting = [lid("a", 100), lid("a", 101), lid("b", 100)]
+        for waiter in waiting:
+            assert (
+                attempt(await run(made.acquire(waiter, Tier.DEFAULT, may_wait=True))).status
+                == QUEUED
+            )
+        assert int(await run(made.release([held[0]]))) == 1
+        assert text(await run(made.cancel(waiting[2]))) != ""  # b's waiter was granted
+        assert text(await run(made.cancel(waiting[0]))) == ""  # a's still queued
+        await run(made.release([held[1], waiting[1], waiting[2]]))
+    finally:
+        await store.aclose()
