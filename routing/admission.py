@@ -184,10 +184,11 @@ class Admission:
             return result.endpoint if result.status == GRANTED else None
         timeout = self._tiers.policy(tier).queue_timeout_s
         place = tier.rank * RANK + result.place
-        if granted := await self.waiting.wait(walk.lease_id, place, timeout):
-            return granted
-        model = cand.model.name
-        raise refusals.queue_timeout(model, timeout, self.retry_after(model, 0))
+        outcome = await self.waiting.wait(walk.lease_id, place, timeout)
+        if isinstance(outcome, str):
+            return outcome
+        model = cand.model.name  # timed out: its Retry-After from its turn if it came again
+        raise refusals.queue_timeout(model, timeout, self.retry_after(model, outcome))
 
     # --- leases --------------------------------------------------------------------------
 

@@ -200,9 +200,12 @@ class ModelSlots:
         keys = self.keys if account is None else [*self.keys, account]
         return ("release", keys, [self.channel, self._pump_spec, len(ids), *ids])
 
-    def cancel(self, waiter_id: str) -> Call:
-        """Reply: '' if the waiter was still queued (now removed), else its granted endpoint."""
-        return ("cancel", self.keys, [waiter_id, self._timing.lease_ttl_ms])
+    def cancel(self, waiter_id: str, rank: int = 1) -> Call:
+        """A waiter of tier `rank` leaves. Reply: an integer if it was still queued (now
+        removed): the grants likely before it if it queued again; else its granted endpoint
+        ('' for an id Redis does not know)."""
+        fair = int(self._fair[rank] == "a")
+        return ("cancel", self.keys, [waiter_id, self._timing.lease_ttl_ms, fair])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""

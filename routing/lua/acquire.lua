@@ -10,7 +10,7 @@
 -- Returns {status, endpoint, inflight, ahead, seq, rebuild, turn}: status 1 granted, 2 queued
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
 -- tier), -2 the account is at its limit; turn (when not granted) = the grants likely to go
--- first (in a tier that shares between accounts, `fair_ahead`; else ahead); rebuild = ms left of the rebuild window when that
+-- first (prelude: `turn_of`); rebuild = ms left of the rebuild window when that
 -- is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
@@ -40,19 +40,6 @@ if redis.call('ZCARD', KEYS[2]) == 0 then
 end
 -- @rest
 
--- How many grants likely go before a newcomer `id` of a tier that shares between accounts:
--- the better tiers' waiters, its own account's waiters in the tier, and for each other
--- waiting account as many as its turn takes ((own + 1) / weight each, as if the others
--- weighed 1 and held as many slots), at most the tier's whole queue. `ahead`: the waiters
--- of the same or a better tier.
-local function fair_ahead(rank, ahead)
-  local better = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score(rank * RANK))
-  local acct, weight = account_of(id)
-  local own = redis.call('ZCARD', account_queue(rank, acct))
-  local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
-  return better + math.min(ahead - better, own + math.ceil((own + 1) / weight) * others)
-end
-
 local at = 7 + 3 * tonumber(ARGV[6])
 local claim, ceilings, fair, spec, spec_eps = parse_spec(ARGV[at + 1])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = unpack(words(ARGV[at + 2]))
@@ -73,7 +60,7 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   end
 end
 local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
-local turn = fair[rank + 1] and fair_ahead(rank, ahead) or ahead
+local turn = turn_of(id, rank, fair[rank + 1])
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
 if rebuilding() then

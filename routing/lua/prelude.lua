@@ -182,6 +182,20 @@ local function unqueue(id)
   if redis.call('ZSCORE', account_index(rank), old) then reindex(rank, acct, weight, old) end
 end
 
+-- How many grants likely go before a newcomer `id` of tier `rank`: the waiters of the same
+-- or a better tier; in a `fair` tier the better tiers' waiters, its own account's waiters in
+-- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
+-- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
+local function turn_of(id, rank, fair)
+  local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
+  if not fair then return ahead end
+  local better = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score(rank * RANK))
+  local acct, weight = account_of(id)
+  local own = redis.call('ZCARD', account_queue(rank, acct))
+  local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
+  return better + math.min(ahead - better, own + math.ceil((own + 1) / weight) * others)
+end
+
 -- The oldest waiter of the account with the best claim in tier `rank` (fewest leases held
 -- relative to its weight, then the oldest waiter), or nil. Entries left stale (a waiter
 -- Redis no longer queues) are mended on the way.
