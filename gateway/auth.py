@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
-from gateway.settings import KeyConfig, digest_key
+from gateway.settings import MAX_WEIGHT, KeyConfig, digest_key
 from routing.errors import UnavailableReason
 from routing.storeerrors import StoreErrors
 from tiers.policy import Tier
@@ -38,6 +38,8 @@ class Account:
     max_concurrency: int
     models: frozenset[str] | None
     tiers: frozenset[Tier] | None
+    # Its share when several accounts wait in one tier of a model (fair share).
+    weight: float = 1.0
 
 
 def account_from_config(key: KeyConfig) -> Account:
@@ -48,6 +50,7 @@ def account_from_config(key: KeyConfig) -> Account:
         max_concurrency=key.max_concurrency,
         models=frozenset(key.models) if key.models is not None else None,
         tiers=frozenset(key.tiers) if key.tiers is not None else None,
+        weight=key.weight,
     )
 
 
@@ -133,7 +136,17 @@ def _account_from_record(digest: str, raw: bytes | str) -> Account:
         max_concurrency=int(record.get("max_concurrency", 200)),
         models=frozenset(models) if models is not None else None,
         tiers=frozenset(Tier(t) for t in tiers) if tiers is not None else None,
+        weight=_weight(record.get("weight", 1)),
     )
+
+
+def _weight(value: object) -> float:
+    """A stored key's weight; one out of range (written by hand) counts as the default."""
+    try:
+        weight = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 1.0
+    return weight if 0 < weight <= MAX_WEIGHT else 1.0
 
 
 async def create_key(
@@ -141,6 +154,7 @@ async def create_key(
     account: str,
     *,
     max_concurrency: int = 200,
+    weight: float = 1.0,
     models: list[str] | None = None,
     tiers: list[Tier] | None = None,
 ) -> str:
@@ -149,6 +163,7 @@ async def create_key(
     record = {
         "account": account,
         "max_concurrency": max_concurrency,
+        "weight": weight,
         "models": models,
         "tiers": [t.value for t in tiers] if tiers is not None else None,
         "created": int(time.time()),

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from gateway.listen import ListenError, listen
 from gateway.logs import FORMATS
 from gateway.logs import setup as setup_logs
-from gateway.settings import ConfigError, GatewayConfig, digest_key, load_config
+from gateway.settings import MAX_WEIGHT, ConfigError, GatewayConfig, digest_key, load_config
 from routing.storeerrors import cause_of
 from tiers.policy import Tier
 
@@ -110,6 +110,12 @@ def _keys_options(command: argparse.ArgumentParser) -> None:
         default=200,
         help="most requests of the key running at once (default: %(default)s)",
     )
+    create.add_argument(
+        "--weight",
+        type=_weight,
+        default=1.0,
+        help="the account's share when several accounts wait in one tier (default: 1)",
+    )
     create.add_argument("--models", nargs="+", help="allow-list of models (default: all)")
     create.add_argument(
         "--tiers",
@@ -117,6 +123,17 @@ def _keys_options(command: argparse.ArgumentParser) -> None:
         choices=[t.value for t in Tier],
         help="allow-list of service tiers (default: all)",
     )
+
+
+def _weight(text: str) -> float:
+    """A key's weight: a positive number (fair share, docs/config.md)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= MAX_WEIGHT:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most {MAX_WEIGHT:g}")
+    return value
 
 
 def _usage_options(command: argparse.ArgumentParser) -> None:
@@ -263,7 +280,7 @@ def _keys_create(args: argparse.Namespace) -> int:
         print(
             "# memory:// keeps no keys from outside its process: add this to the config's keys:\n"
             f"#   - {{sha256: {digest_key(key)}, account: {args.account}, "
-            f"max_concurrency: {args.max_concurrency}}}",
+            f"max_concurrency: {args.max_concurrency}, weight: {args.weight:g}}}",
             file=sys.stderr,
         )
         return 0
@@ -276,6 +293,7 @@ def _keys_create(args: argparse.Namespace) -> int:
                 redis,
                 args.account,
                 max_concurrency=args.max_concurrency,
+                weight=args.weight,
                 models=args.models,
                 tiers=tiers,
             )

@@ -172,7 +172,7 @@ class CompletionRoute:
         salt = getattr(request, "cache_salt", None) if self._salted else None
         cache_key = affinity_key(request.prompt_cache_key, salt)
         admitted = await self._state.admission.admit(
-            candidates, account.name, account.max_concurrency, cache_key
+            candidates, account.name, account.max_concurrency, cache_key, account.weight
         )
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name

@@ -77,6 +77,10 @@ class LimitsConfig(BaseModel):
     max_event_bytes: int = Field(1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
 
 
+# The largest key weight (fair share): far past any useful ratio, small enough for Redis.
+MAX_WEIGHT = 1_000_000.0
+
+
 class KeyConfig(BaseModel):
     """An API key as config knows it: only its SHA-256 digest, never the key."""
 
@@ -85,6 +89,8 @@ class KeyConfig(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", repr=False)
     account: str = Field(min_length=1, max_length=128)
     max_concurrency: int = Field(200, ge=1, le=1_000_000)
+    # Its share when several accounts wait in one tier of a model (fair share).
+    weight: float = Field(1.0, gt=0.0, le=MAX_WEIGHT)
     models: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] | None = None
 

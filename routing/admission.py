@@ -44,6 +44,7 @@ from routing.slots import (
     ModelSlots,
     Timing,
     account_key,
+    make_lease_id,
     text,
 )
 from routing.store import Store
@@ -127,8 +128,10 @@ class Admission:
         account: str,
         account_limit: int,
         cache_key: str | None = None,
+        weight: float = 1.0,
     ) -> Admitted:
-        lease_id = f"{self.replica_id}-{next(self._ids)}"
+        """`weight`: the account's share among the accounts waiting in a tier (fair share)."""
+        lease_id = make_lease_id(f"{self.replica_id}-{next(self._ids)}", weight, account)
         walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
         try:
             try:
@@ -169,7 +172,7 @@ class Admission:
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier)
-            retry = self.retry_after(cand.model.name, result.ahead)
+            retry = self.retry_after(cand.model.name, result.turn)
             last = refusals.rejection(cand.model.name, tier, result, retry)
         assert last is not None
         raise last
@@ -181,10 +184,11 @@ class Admission:
             return result.endpoint if result.status == GRANTED else None
         timeout = self._tiers.policy(tier).queue_timeout_s
         place = tier.rank * RANK + result.place
-        if granted := await self.waiting.wait(walk.lease_id, place, timeout):
-            return granted
-        model = cand.model.name
-        raise refusals.queue_timeout(model, timeout, self.retry_after(model, 0))
+        outcome = await self.waiting.wait(walk.lease_id, place, timeout)
+        if isinstance(outcome, str):
+            return outcome
+        model = cand.model.name  # timed out: its Retry-After from its turn if it came again
+        raise refusals.queue_timeout(model, timeout, self.retry_after(model, outcome))
 
     # --- leases --------------------------------------------------------------------------
 
@@ -213,7 +217,9 @@ class Admission:
 
     def _add(self, model: Model, tiers: TiersConfig) -> None:
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        slots = ModelSlots(model.name, utilization, model.config.max_queue, self.timing)
+        slots = ModelSlots(
+            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers)
+        )
         # Every endpoint is in rotation until health checks say otherwise.
         slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
         self.slots[model.name] = slots
@@ -233,7 +239,7 @@ class Admission:
             if slots is None:
                 self._add(model, tiers)
             else:
-                slots.configure(utilization, model.config.max_queue)
+                slots.configure(utilization, model.config.max_queue, _fair(tiers))
 
     def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
@@ -247,3 +253,8 @@ class Admission:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         await self.handback.drain(timeout_s)
+
+
+def _fair(tiers: TiersConfig) -> dict[Tier, bool]:
+    """Which tiers share between accounts (`tiers.<tier>.fairness`)."""
+    return {t: tiers.policy(t).fairness == "accounts" for t in Tier}

@@ -6,6 +6,7 @@ times come from Redis `TIME` inside the scripts, never from a replica's clock.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,14 @@ from tiers.policy import BY_RANK, Tier
 GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL = 1, 2, 0, -1, -2
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
 RANK = 10**15
+
+
+def make_lease_id(prefix: str, weight: float, account: str) -> str:
+    """An id that carries its account and weight, so that every script knows whose a lease
+    or waiter is from the id alone (fair share; prelude.lua `account_of`). The account is
+    named by a short digest: any name fits, and no name shows in Redis."""
+    digest = hashlib.blake2b(account.encode(), digest_size=6).hexdigest()
+    return f"{prefix}~{weight:g}~{digest}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +38,9 @@ class Attempt:
     place: int
     # For BUSY while Redis is being rebuilt: ms until the rebuild window ends (else 0).
     rebuild_ms: int = 0
+    # For BUSY/QUEUED/FULL: the grants likely to go before it (its own turn under fair
+    # share; else `ahead`).
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,12 @@ class ModelSlots:
     """
 
     def __init__(
-        self, model: str, utilization: dict[Tier, float], max_queue: int, timing: Timing
+        self,
+        model: str,
+        utilization: dict[Tier, float],
+        max_queue: int,
+        timing: Timing,
+        fair: dict[Tier, bool] | None = None,
     ) -> None:
         tag = "gw:{" + model + "}:"
         self.model = model
@@ -112,12 +129,16 @@ class ModelSlots:
         self.known = False
         self._spec: dict[str, tuple[int, float]] = {}
         self.urls: list[str] = []
-        self.configure(utilization, max_queue)
+        self.configure(utilization, max_queue, fair)
 
-    def configure(self, utilization: dict[Tier, float], max_queue: int) -> None:
-        """Tier ceilings and queue bound (set again by a config reload)."""
+    def configure(
+        self, utilization: dict[Tier, float], max_queue: int, fair: dict[Tier, bool] | None = None
+    ) -> None:
+        """Tier ceilings, queue bound and which tiers share between accounts (default: all),
+        set again by a config reload."""
         self.max_queue = max_queue
         self._utilization = [utilization[t] for t in BY_RANK]
+        self._fair = "".join("a" if fair is None or fair[t] else "f" for t in BY_RANK)
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
     def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
@@ -131,9 +152,10 @@ class ModelSlots:
         self._rotations = [self._args(self.urls[i:] + self.urls[:i]) for i in range(len(self.urls))]
         self._turn = 0
         # What every pumping script needs to hand slots on, in one argument the scripts read
-        # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, endpoints.
+        # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, which
+        # tiers share between accounts, endpoints.
         self._pump_spec = " ".join(
-            map(str, [self._timing.claim_ms, *self._ceilings, *self._endpoints])
+            map(str, [self._timing.claim_ms, *self._ceilings, self._fair, *self._endpoints])
         )
 
     def _args(self, urls: Sequence[str]) -> list[Any]:
@@ -178,9 +200,12 @@ class ModelSlots:
         keys = self.keys if account is None else [*self.keys, account]
         return ("release", keys, [self.channel, self._pump_spec, len(ids), *ids])
 
-    def cancel(self, waiter_id: str) -> Call:
-        """Reply: '' if the waiter was still queued (now removed), else its granted endpoint."""
-        return ("cancel", self.keys, [waiter_id, self._timing.lease_ttl_ms])
+    def cancel(self, waiter_id: str, rank: int = 1) -> Call:
+        """A waiter of tier `rank` leaves. Reply: an integer if it was still queued (now
+        removed): the grants likely before it if it queued again; else its granted endpoint
+        ('' for an id Redis does not know)."""
+        fair = int(self._fair[rank] == "a")
+        return ("cancel", self.keys, [waiter_id, self._timing.lease_ttl_ms, fair])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
@@ -209,8 +234,10 @@ class ModelSlots:
 
 
 def attempt(reply: Sequence[Any]) -> Attempt:
+    ahead = int(reply[3])
+    turn = int(reply[6]) if len(reply) > 6 else ahead
     return Attempt(
-        int(reply[0]), text(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), int(reply[5])
+        int(reply[0]), text(reply[1]), int(reply[2]), ahead, int(reply[4]), int(reply[5]), turn
     )
 
 

@@ -13,7 +13,7 @@ import asyncio
 from routing.errors import Unavailable, UnavailableReason
 from routing.handback import Handback
 from routing.holdings import Waiter
-from routing.slots import text
+from routing.slots import RANK, text
 
 
 class Waiting:
@@ -34,9 +34,10 @@ class Waiting:
         if waiter is not None and waiter.future.done():
             waiter.future.exception()  # turned away meanwhile: not queued, nothing to say
 
-    async def wait(self, lease_id: str, place: int, timeout_s: float) -> str | None:
+    async def wait(self, lease_id: str, place: int, timeout_s: float) -> str | int:
         """The endpoint granted to the queued `lease_id` (at `place`, rank x RANK +
-        sequence) within `timeout_s`, or None; raises the reason it was turned away."""
+        sequence) within `timeout_s`; else (timed out) the grants likely to go before it if
+        it queued again, for its Retry-After. Raises the reason it was turned away."""
         waiter = self.holdings.waiters[lease_id]
         model = waiter.model
         waiter.place = place  # from now on the sweep keeps it queued
@@ -54,16 +55,18 @@ class Waiting:
             endpoint = waiter.future.result()
             self.handback.claim(lease_id, model, endpoint)
             return endpoint
-        return await self._cancel(lease_id, model)
+        return await self._cancel(lease_id, model, place // RANK)
 
-    async def _cancel(self, lease_id: str, model: str) -> str | None:
+    async def _cancel(self, lease_id: str, model: str, rank: int) -> str | int:
         """Timed out; the slot may have been granted just now (its message still on the way)."""
-        sent = self.scripts.send(self.store, [self.slots[model].cancel(lease_id)])
+        sent = self.scripts.send(self.store, [self.slots[model].cancel(lease_id, rank)])
         reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
         if isinstance(reply, Exception):
             self.handback.give_back(lease_id, model, None)
             raise reply
-        return text(reply) or None
+        if isinstance(reply, int):
+            return reply
+        return text(reply) or 0
 
     def turn_away(self, why: str) -> None:
         """This replica shuts down: its waiters leave their queues with a 503 now, rather

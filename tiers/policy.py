@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -64,6 +64,9 @@ class TierPolicy(BaseModel):
     max_utilization: float = Field(1.0, gt=0.0, le=1.0)
     queue_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     price_multiplier: float = Field(1.0, ge=0.0, le=100.0)
+    # Who a freed slot goes to among this tier's waiters: the account with the fewest of the
+    # model's slots per weight (then its oldest waiter), or plain arrival order.
+    fairness: Literal["accounts", "fifo"] = "accounts"
 
 
 _DEFAULTS = {tier.value: spec.defaults() for tier, spec in TIERS.items()}

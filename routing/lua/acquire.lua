@@ -4,17 +4,19 @@
 --       then the channel, the spec (prelude: `parse_spec`), and in one argument
 --       "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" (known: this replica has
 --       seen the model's state before, 0|1; see `lost`); with KEYS[10], then the account's
---       limit.
+--       limit. The id carries its account and weight (prelude: `account_of`).
 -- The common case reads only the first six and the endpoints: an argument costs a script
 -- about 75 ns whether it reads it or not, so the others come packed.
--- Returns {status, endpoint, inflight, ahead, seq, rebuild}: status 1 granted, 2 queued
+-- Returns {status, endpoint, inflight, ahead, seq, rebuild, turn}: status 1 granted, 2 queued
 -- (seq = its place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better
--- tier), -2 the account is at its limit; rebuild = ms left of the rebuild window when that
+-- tier), -2 the account is at its limit; turn (when not granted) = the grants likely to go
+-- first (prelude: `turn_of`); rebuild = ms left of the rebuild window when that
 -- is why it is busy, else 0.
 local id, ttl, rank = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
--- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued.
-redis.call('ZREM', KEYS[2], id)
+-- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
+-- queued before leaves its place below, in the rest: the queue is not empty then).
+redis.call('ZREM', KEYS[7], id)
 -- On one Redis a walk's first try takes the account's own slot here too: KEYS[10] is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
@@ -37,31 +39,38 @@ if redis.call('ZCARD', KEYS[2]) == 0 then
   end
 end
 -- @rest
+
 local at = 7 + 3 * tonumber(ARGV[6])
-local claim, ceilings, spec, spec_eps = parse_spec(ARGV[at + 1])
+local claim, ceilings, fair, spec, spec_eps = parse_spec(ARGV[at + 1])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = unpack(words(ARGV[at + 2]))
-expire(now)
+unqueue(id)
+expire(now, nil, #ceilings)
 lost(now, known, rebuild_ms)
-pump(now, claim, ceilings, spec, spec_eps, ARGV[at])
+pump(now, claim, ceilings, fair, spec, spec_eps, ARGV[at])
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
--- tier jumps nobody who could have gone first.
+-- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 local inflight = redis.call('ZCARD', KEYS[1])
 if inflight < ceilings[rank + 1] and not rebuilding() then
   local ep = pick(ARGV, 6, ARGV[5])
   if ep then
     grant(id, ep, now + ttl)
+    count(id, 1)
+    reweigh(id, #ceilings)
     return {1, ep, inflight + 1, 0, 0, 0}
   end
 end
 local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
+local turn = turn_of(id, rank, fair[rank + 1])
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
-if rebuilding() then return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', KEYS[8]))} end
-if may_wait ~= '1' then return {0, '', inflight, ahead, 0, 0} end
+if rebuilding() then
+  return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', KEYS[8])), turn}
+end
+if may_wait ~= '1' then return {0, '', inflight, ahead, 0, 0, turn} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(max_queue) then return {-1, '', inflight, ahead, 0, 0} end
+if ahead >= tonumber(max_queue) then return {-1, '', inflight, ahead, 0, 0, turn} end
 local seq = redis.call('INCR', KEYS[5])
-redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
+enqueue(id, rank, seq)
 redis.call('ZADD', KEYS[7], now + tonumber(waiter_ttl), id)
-return {2, '', inflight, ahead, seq, 0}
+return {2, '', inflight, ahead, seq, 0, turn}

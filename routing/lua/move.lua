@@ -9,6 +9,7 @@ local ep = pick(ARGV, 3, 'least')
 if not ep then return '' end
 if not redis.call('ZSCORE', KEYS[1], id) then
   grant(id, ep, now + tonumber(ARGV[2]))  -- Redis lost it: written back where it goes now
+  count(id, 1)
   return ep
 end
 local old = redis.call('HGET', KEYS[3], id)

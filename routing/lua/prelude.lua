@@ -15,6 +15,7 @@
 --                  no slot is granted until every replica has written back its own
 -- KEYS[9] state    STRING, present while Redis holds this model's state: a replica that has
 --                  seen it before and finds it gone knows Redis restarted empty or failed over
+-- Fair share's keys (prelude's rest) are named after KEYS[2], with the same hash tag.
 local RANK = 1e15
 
 local function now_ms()
@@ -62,13 +63,6 @@ local function pick(src, eps, mode)
   return best
 end
 
--- Take an id out of the queue (a no-op for an id never queued, but a write that is not
--- `denyoom`: see `expire`).
-local function unqueue(id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[7], id)
-end
-
 local function grant(id, ep, expiry)
   redis.call('ZADD', KEYS[1], score(expiry), id)
   redis.call('HSET', KEYS[3], id, ep)
@@ -91,6 +85,134 @@ end
 
 -- @rest
 
+-- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
+-- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
+-- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
+-- `held`   HASH account -> leases of the model it holds: counted only while someone waits
+--          (the common case pays nothing), counted afresh from the leases when the queue
+--          stops being empty (`enqueue`);
+-- per tier, each waiting account's queue (ZSET waiter -> sequence), and the index of the
+-- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
+-- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
+local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
+local BASE = string.sub(KEYS[2], 1, -6)
+local HELD = BASE .. 'held'
+local function account_queue(rank, acct) return BASE .. 'fq:' .. rank .. ':' .. acct end
+local function account_index(rank) return BASE .. 'fi:' .. rank end
+local function member(seq, acct) return string.format('%016d', seq) .. acct end
+
+-- The account and weight an id carries ('' and 1 for an id without them).
+local function account_of(id)
+  local w, a = string.match(id, '~([^~]*)~([^~]*)$')
+  return a or '', tonumber(w) or 1
+end
+
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
+local function count(id, delta)
+  if redis.call('ZCARD', KEYS[2]) == 0 then return end
+  local acct = account_of(id)
+  if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
+end
+
+-- Count every account's leases afresh (O(leases), once each time the queue stops being
+-- empty; leases granted meanwhile were not counted).
+local function recount()
+  redis.call('DEL', HELD)
+  local per = {}
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local acct = account_of(id)
+    per[acct] = (per[acct] or 0) + 1
+  end
+  local flat = {}
+  for acct, n in pairs(per) do
+    flat[#flat + 1] = acct
+    flat[#flat + 1] = n
+  end
+  if #flat > 0 then redis.call('HSET', HELD, unpack(flat)) end
+end
+
+-- Put `acct`'s entry in the index of `rank` right: after its oldest waiter or its leases
+-- changed. `old`: its member before, when known to be in the index.
+local function reindex(rank, acct, weight, old)
+  local queue = account_queue(rank, acct)
+  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  local index = account_index(rank)
+  if old then redis.call('ZREM', index, old) end
+  if not head[1] then return end
+  local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
+  redis.call('ZADD', index, string.format('%.17g', ratio), member(tonumber(head[2]), acct))
+end
+
+-- The account's leases changed: its entries in every tier's index follow (a no-op for an
+-- account that waits nowhere). `ranks`: how many tiers.
+local function reweigh(id, ranks)
+  local acct, weight = account_of(id)
+  for rank = 0, ranks - 1 do
+    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0, 'WITHSCORES')
+    if head[1] then reindex(rank, acct, weight, member(tonumber(head[2]), acct)) end
+  end
+end
+
+-- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
+local function enqueue(id, rank, seq)
+  if redis.call('ZCARD', KEYS[2]) == 0 then recount() end
+  redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
+  local acct, weight = account_of(id)
+  local queue = account_queue(rank, acct)
+  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  redis.call('ZADD', queue, score(seq), id)
+  if head[1] == nil or seq < tonumber(head[2]) then
+    reindex(rank, acct, weight, head[1] and member(tonumber(head[2]), acct))
+  end
+end
+
+-- Take an id out of the queue (a no-op for an id never queued, but a write that is not
+-- `denyoom`: see `expire`), its account's queue and, if it was the oldest, the index.
+local function unqueue(id)
+  redis.call('ZREM', KEYS[7], id)
+  local place = redis.call('ZSCORE', KEYS[2], id)
+  if not place then return end
+  redis.call('ZREM', KEYS[2], id)
+  if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('DEL', HELD) end
+  local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
+  local acct, weight = account_of(id)
+  local queue = account_queue(rank, acct)
+  redis.call('ZREM', queue, id)
+  local old = member(seq, acct)
+  if redis.call('ZSCORE', account_index(rank), old) then reindex(rank, acct, weight, old) end
+end
+
+-- How many grants likely go before a newcomer `id` of tier `rank`: the waiters of the same
+-- or a better tier; in a `fair` tier the better tiers' waiters, its own account's waiters in
+-- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
+-- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
+local function turn_of(id, rank, fair)
+  local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
+  if not fair then return ahead end
+  local better = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score(rank * RANK))
+  local acct, weight = account_of(id)
+  local own = redis.call('ZCARD', account_queue(rank, acct))
+  local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
+  return better + math.min(ahead - better, own + math.ceil((own + 1) / weight) * others)
+end
+
+-- The oldest waiter of the account with the best claim in tier `rank` (fewest leases held
+-- relative to its weight, then the oldest waiter), or nil. Entries left stale (a waiter
+-- Redis no longer queues) are mended on the way.
+local function fair_head(rank)
+  local index = account_index(rank)
+  for _ = 1, 64 do
+    local best = redis.call('ZRANGE', index, 0, 0)[1]
+    if not best then return nil end
+    local acct = string.sub(best, 17)
+    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0)[1]
+    if head and redis.call('ZSCORE', KEYS[2], head) then return head end
+    if head then redis.call('ZREM', account_queue(rank, acct), head) end
+    reindex(rank, acct, select(2, account_of(head or '')), best)
+  end
+  return nil
+end
+
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
 -- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
 -- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
@@ -100,25 +222,36 @@ end
 -- The sweep, claim and move run it on every call; acquire and release only when the model
 -- may be full or has waiters (else leases that expired meanwhile wait for the sweep).
 -- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
-local function expire(now, waiting)
+-- `ranks`: the number of tiers, from the caller's spec (else those of tiers/policy.py).
+local function expire(now, waiting, ranks)
   local late = {}
   local upto = score(now)
   if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', upto) end
   redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', upto)
-  for _, id in ipairs(late) do redis.call('ZREM', KEYS[2], id) end
+  for _, id in ipairs(late) do unqueue(id) end
   local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
-  for _, id in ipairs(gone) do drop_lease(id) end
+  for _, id in ipairs(gone) do
+    if drop_lease(id) == 1 then count(id, -1) end
+  end
+  if #gone > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
+    for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
+  end
   if #gone > 0 then redis.call('INCRBY', KEYS[6], score(#gone)) end
 end
 
--- The oldest waiter of the best tier that may take a slot now, or nil. A tier whose own
+-- The waiter of the best tier that may take a slot now, or nil: in a `fair` tier the oldest
+-- of the account with the best claim (`fair_head`), else the tier's oldest. A tier whose own
 -- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
 -- default's must not stall the default queue).
-local function eligible_head(inflight, ceilings)
+local function eligible_head(inflight, ceilings, fair)
   for rank = 0, #ceilings - 1 do
     if inflight < ceilings[rank + 1] then
-      local head = redis.call('ZRANGEBYSCORE', KEYS[2], score(rank * RANK),
-        '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
+      -- A tier's waiters queued by scripts without account queues go after the others.
+      local head = fair[rank + 1] and {fair_head(rank)} or {}
+      if not head[1] then
+        head = redis.call('ZRANGEBYSCORE', KEYS[2], score(rank * RANK),
+          '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
+      end
       if head[1] then return head[1] end
     end
   end
@@ -150,17 +283,20 @@ end
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
 -- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
 -- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization;
--- the endpoints are in `src` at `eps` (see `pick`).
-local function pump(now, claim, ceilings, src, eps, channel)
+-- the endpoints are in `src` at `eps` (see `pick`); fair[rank + 1]: whether that tier shares
+-- between accounts.
+local function pump(now, claim, ceilings, fair, src, eps, channel)
   if redis.call('ZCARD', KEYS[2]) == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
-    local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings)
+    local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings, fair)
     if not id then break end
     local ep = pick(src, eps, 'least')
     if not ep then break end
     unqueue(id)
     grant(id, ep, now + claim)
+    count(id, 1)
+    reweigh(id, #ceilings)
     redis.call('PUBLISH', channel, id .. ' ' .. ep)
     granted = granted + 1
   end
@@ -176,6 +312,7 @@ local function hold(id, ep, expiry)
     return 0
   end
   grant(id, ep, expiry)
+  count(id, 1)
   return 1
 end
 
@@ -187,13 +324,17 @@ local function words(s)
 end
 
 -- What pumping needs, in one argument read only when someone waits (an argument costs a
--- script about 75 ns whether read or not): "claim_ms n ceiling.. n url max penalty..", the
--- tiers' ceilings best first. Returns claim_ms, the ceilings, and the words and index of
--- the endpoints for `pick`.
+-- script about 75 ns whether read or not): "claim_ms n ceiling.. fair n url max penalty..",
+-- the tiers' ceilings best first, then one letter per tier, best first ('a' shares between
+-- accounts, 'f' first come first served). Returns claim_ms, the ceilings, whether each tier
+-- is fair, and the words and index of the endpoints for `pick`.
 local function parse_spec(s)
   local t = words(s)
   local n = tonumber(t[2])
-  local ceilings = {}
-  for i = 1, n do ceilings[i] = tonumber(t[2 + i]) end
-  return tonumber(t[1]), ceilings, t, 3 + n
+  local ceilings, fair = {}, {}
+  for i = 1, n do
+    ceilings[i] = tonumber(t[2 + i])
+    fair[i] = string.sub(t[3 + n], i, i) == 'a'
+  end
+  return tonumber(t[1]), ceilings, fair, t, 4 + n
 end

@@ -10,13 +10,19 @@
 --       known (0|1: this replica has seen the model's state before).
 -- Returns {{inflight, queued per tier (best first), freed so far}, written-back lease ids,
 --          one entry per waiter: its granted endpoint or ''}.
+-- Whether a queued waiter (at `place`) is in its account's queue too.
+local function in_account_queue(id, place)
+  local rank = math.floor(tonumber(place) / RANK)
+  return redis.call('ZSCORE', account_queue(rank, (account_of(id))), id) ~= false
+end
+
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', KEYS[2]) > 0
-expire(now, waiting)
+local claim, ceilings, fair, spec, eps = parse_spec(ARGV[4])
+expire(now, waiting, #ceilings)
 local marks = redis.call('MGET', KEYS[9], KEYS[6])  -- the state marker; slots freed so far
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-local claim, ceilings, spec, eps = parse_spec(ARGV[4])
 local at = 5
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
@@ -36,15 +42,17 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
     granted[#granted + 1] = ep
   else
     granted[#granted + 1] = ''
-    if redis.call('ZSCORE', KEYS[2], id) then
+    local place = redis.call('ZSCORE', KEYS[2], id)
+    if place and in_account_queue(id, place) then
       redis.call('ZADD', KEYS[7], 'XX', now + wttl, id)
     else
-      local place = ARGV[i + 1]
-      redis.call('ZADD', KEYS[2], place, id)
+      -- Lost (or queued by a script that keeps no account queues): back at its place.
+      if not place then requeued = requeued + 1 end
+      place = place or ARGV[i + 1]
+      local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
+      enqueue(id, rank, seq)
       redis.call('ZADD', KEYS[7], now + wttl, id)
-      local seq = tonumber(place) % RANK
       if tonumber(redis.call('GET', KEYS[5]) or '0') < seq then redis.call('SET', KEYS[5], score(seq)) end
-      requeued = requeued + 1
     end
   end
 end
@@ -52,7 +60,10 @@ if #restored + requeued > 0 and not rebuilding() then
   redis.call('SET', KEYS[8], '1', 'PX', ARGV[tail])
 end
 waiting = waiting or requeued > 0
-if waiting then pump(now, claim, ceilings, spec, eps, ARGV[3]) end
+if waiting then
+  for _, id in ipairs(restored) do reweigh(id, #ceilings) end
+  pump(now, claim, ceilings, fair, spec, eps, ARGV[3])
+end
 local function queued(rank)
   if not waiting then return 0 end
   return redis.call('ZCOUNT', KEYS[2], score(rank * RANK), '(' .. score((rank + 1) * RANK))

@@ -71,7 +71,7 @@ def test_the_documented_acl_is_all_the_gateway_needs(
         f'[{{url: "{worker.url}", max_concurrency: {CAPACITY}, model: m1}}]}}\n'
     )
     try:
-        minted = run_cli(tmp_path, config, "keys", "create", "--account", "acl")
+        minted = run_cli(tmp_path, config, "keys", "create", "--account", "acl", "--weight", "2")
         assert minted.returncode == 0, minted.stderr
         key = minted.stdout.strip()
         gateway = procs.gateway(tmp_path, config.read_text())
@@ -98,3 +98,7 @@ def test_the_documented_acl_is_all_the_gateway_needs(
     with redis.Redis(port=server.port) as admin:
         assert admin.zcard("gw:{m}:leases") == 0
         assert admin.zcard("gw:{m}:queue") == 0
+        # Fair share's account queues, index and held counts go with the last waiter.
+        assert admin.keys("gw:{m}:f[qi]:*") == [] and not admin.exists("gw:{m}:held")
+        (stored,) = admin.hvals("gw:keys")
+        assert json.loads(stored)["weight"] == 2

@@ -279,3 +279,10 @@ async def test_redis_error_is_not_cached() -> None:
     for _ in range(2):
         with pytest.raises(ServiceUnavailable):
             await keys.authenticate("gw-anything")
+
+
+async def test_weight_round_trips_through_redis(redis: Any) -> None:
+    key = await create_key(redis, "acme", weight=3.0)
+    assert (await store(redis).authenticate(key)).weight == 3.0
+    plain = await create_key(redis, "other")
+    assert (await store(redis).authenticate(plain)).weight == 1.0

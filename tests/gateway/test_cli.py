@@ -34,6 +34,21 @@ def test_keys_create_on_a_memory_store_prints_the_config_line(
     assert key not in err
 
 
+def test_keys_create_takes_a_weight(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", "create", "--config", DEMO, "--account", "acme", "--weight", "2.5"]) == 0
+    assert "weight: 2.5}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weight", ["0", "-1", "nan", "heavy", "2e6"])
+def test_keys_create_refuses_a_weight_out_of_range(
+    weight: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["keys", "create", "--config", DEMO, "--account", "acme", "--weight", weight])
+    assert exited.value.code == 2
+    assert "--weight" in capsys.readouterr().err
+
+
 def test_usage_export_refuses_an_unknown_group(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["usage", "export", "--config", DEMO, "--by", "account,colour"]) == 2
     assert "colour" in capsys.readouterr().err

@@ -363,3 +363,24 @@ def test_a_redis_url_that_cannot_be_parsed_never_shows_its_password() -> None:
     assert "redis.url: " in str(raised.value) and "%2F" in str(raised.value)
     assert "Zm9vYmFy" not in str(raised.value) and "c2VjcmV0" not in str(raised.value)
     parse_config(text.replace("Zm9vYmFy/", "Zm9vYmFy%2F"), "gw.yaml")  # encoded: fine
+
+
+# --- fair share ----------------------------------------------------------------------------
+
+
+def test_tiers_share_between_accounts_unless_told_fifo() -> None:
+    tiers = parse(config_dict(tiers={"flex": {"fairness": "fifo"}})).tiers
+    assert [tiers.policy(t).fairness for t in Tier] == ["accounts", "accounts", "fifo"]
+
+
+def test_unknown_fairness_rejected() -> None:
+    message = config_error(config_dict(tiers={"default": {"fairness": "tokens"}}))
+    assert "tiers.default.fairness" in message
+
+
+def test_key_weight_defaults_to_one_and_must_be_positive() -> None:
+    key = {"sha256": "ab" * 32, "account": "acme"}
+    assert parse(config_dict(keys=[key])).keys[0].weight == 1.0
+    assert parse(config_dict(keys=[{**key, "weight": 2.5}])).keys[0].weight == 2.5
+    for bad in (0, -1, "lots"):
+        assert "keys.0.weight" in config_error(config_dict(keys=[{**key, "weight": bad}]))

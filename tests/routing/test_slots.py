@@ -77,7 +77,8 @@ class Model:
         return int(await self.run(self.slots.release(ids)))
 
     async def cancel(self, waiter_id: str) -> str:
-        return text(await self.run(self.slots.cancel(waiter_id)))
+        reply = await self.run(self.slots.cancel(waiter_id))
+        return "" if isinstance(reply, int) else text(reply)  # an int: it was still queued
 
     async def sweep(
         self,
