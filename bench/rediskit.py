@@ -84,6 +84,10 @@ def top_level_usec(delta: Delta, sent: Counter[str]) -> float:
     return usec
 
 
+# What a transaction counts as at the top level: EXEC's time includes its commands'.
+_EXEC_ONLY = [("MULTI",), ("EXEC",)]
+
+
 def sent_counts(
     batches: Sequence[Sequence[Any]], times: int = 1, *, top_level: bool = False
 ) -> Counter[str]:
@@ -97,9 +101,6 @@ def sent_counts(
         for one in (_EXEC_ONLY if top_level and isinstance(cmd, Transaction) else unfolded(cmd))
     )
     return Counter({n: c * times for n, c in names.items()})
-
-
-_EXEC_ONLY = [("MULTI",), ("EXEC",)]
 
 
 def median(rows: list[dict[str, float]], key: str) -> float:

@@ -78,13 +78,15 @@ class Acquire:
             self.scripts.send(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
-        if with_account and _took_account(replies):
+        # On one Redis the acquire script itself takes the account's slot (one call).
+        merged = with_account and self.store.one_node
+        if with_account and _took_account(replies, merged):
             walk.has_account = True
             self.holdings.walking[walk.lease_id] = walk.akey
         if (error := first_error(replies)) is not None:
             # What the other call took goes back; a single call's own part too (a script
             # that failed midway keeps what it wrote before).
-            account = walk.akey if with_account and len(replies) == 1 else None
+            account = walk.akey if merged else None
             self.handback.give_back(walk.lease_id, model, account)
             raise error
         result = attempt(replies[-1])
@@ -121,12 +123,12 @@ class Acquire:
         return calls
 
 
-def _took_account(replies: list[Any]) -> bool:
-    """Whether the account's entry was taken: by the account script (two calls), or by the
-    acquire script itself (one call, on one Redis)."""
+def _took_account(replies: list[Any], merged: bool) -> bool:
+    """Whether the account's entry was taken: by the acquire script itself (`merged`, one
+    call), or by the account script (the first of two calls)."""
     reply = replies[0]
     if isinstance(reply, Exception):
         return False
-    if len(replies) == 2:
-        return int(reply) == 1
-    return int(reply[0]) != ACCOUNT_FULL
+    if merged:
+        return int(reply[0]) != ACCOUNT_FULL
+    return int(reply) == 1

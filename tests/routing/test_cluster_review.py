@@ -7,7 +7,7 @@ import contextlib
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import cast
 
@@ -55,6 +55,13 @@ async def private_fleet(
         cluster.stop()
 
 
+def tag_where(cluster: RedisCluster, prefix: str, wanted: Callable[[RedisServer], bool]) -> str:
+    """The first hash tag `<prefix><n>` whose master is `wanted`."""
+    return next(
+        f"{prefix}{i}" for i in range(1000) if wanted(cluster.node_of("{" + prefix + str(i) + "}"))
+    )
+
+
 async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
     tmp_path: Path,
 ) -> None:
@@ -67,11 +74,7 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
         fleet,
     ):
         model_node = cluster.node_of("{two}")
-        account = next(
-            f"t-r{i}"
-            for i in range(1000)
-            if cluster.node_of("{t-r" + str(i) + "}") is not model_node
-        )
+        account = tag_where(cluster, "t-r", lambda node: node is not model_node)
         account_node = cluster.node_of("{" + account + "}")
         down = next(n for n in cluster.nodes if n not in (model_node, account_node))
         adm = await fleet.admission()
@@ -98,9 +101,7 @@ async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
         fleet,
     ):
         model_node = cluster.node_of("{two}")
-        account = next(
-            f"t-r{i}" for i in range(1000) if cluster.node_of("{t-r" + str(i) + "}") is model_node
-        )
+        account = tag_where(cluster, "t-r", lambda node: node is model_node)
         down = next(n for n in cluster.nodes if n is not model_node)
         adm = await fleet.admission()
         down.kill()
@@ -145,9 +146,7 @@ async def test_a_stalled_master_delays_only_its_own_calls(redis_cluster: RedisCl
     store = cast(ClusterStore, cluster_store(cluster.url, 1.0))
     try:
         stalled = cluster.node_of("{two}")
-        other = next(
-            f"t-s{i}" for i in range(1000) if cluster.node_of("{t-s" + str(i) + "}") is not stalled
-        )
+        other = tag_where(cluster, "t-s", lambda node: node is not stalled)
         await bounded(store.send([["SET", "{two}k", "1"], ["SET", "{" + other + "}k", "1"]]))
         stalled.pause()
         try:
