@@ -55,6 +55,8 @@ from routing.registry import Registry  # noqa: E402
 from routing.resp import RespClient  # noqa: E402
 
 NOOP = "return 0"
+# Requests holding slots of the model while the loaded rounds replay (of its 32).
+LOADED = 8
 # What a replay needs: the store, the captured batches, their lease id, the acquire's sha.
 Life = tuple[RespClient, list[list[Command]], str, str]
 
@@ -226,6 +228,8 @@ async def measure(url: str, n: int, batch: int, count: int, idle_s: float) -> di
             await replay(life, min(n, 500), batch, "w-")  # warm-up
             await noops(admission.store, names["noop"], min(n, 500), batch)
             results["cost"] = cost(*await rounds(info, life, names["noop"], n, batch, count))
+            results["cost_loaded"] = await loaded(admission, plan, info, life, names["noop"],
+                                                  n, batch, count)  # fmt: skip
             logged = results["one_admission"]["commands_in_redis"]
             results["by_script"] = await by_script(info, life, names, min(n, 1000), batch, logged)
             results["left_after_replay"] = await leftovers(info, admission)
@@ -234,6 +238,27 @@ async def measure(url: str, n: int, batch: int, count: int, idle_s: float) -> di
         results["idle"] = [await idle(url, info, cleanup, k, idle_s) for k in (1, 10)]
     await info.aclose()
     return results
+
+
+async def loaded(
+    admission: Admission,
+    plan: Any,
+    info: aioredis.Redis,
+    life: Life,
+    noop: str,
+    n: int,
+    batch: int,
+    count: int,
+) -> dict[str, Any]:
+    """The same rounds while LOADED other requests of the account hold slots of the model,
+    as under load: the model's leases and the account's count then exist before a request
+    and after it (replayed alone, each request creates and deletes those keys)."""
+    held = [await admission.admit(plan, TAG, 1000) for _ in range(LOADED)]
+    try:
+        return {"held": LOADED, **cost(*await rounds(info, life, noop, n, batch, count))}
+    finally:
+        for admitted in held:
+            await admission.release(admitted.lease)
 
 
 async def leftovers(info: aioredis.Redis, admission: Admission) -> dict[str, int]:
@@ -267,6 +292,15 @@ def report(results: dict[str, Any]) -> None:
         f"{'ratio (target <= ' + str(c['target_ratio']) + ')':40} {c['ratio_to_noop']!s:>11} "
         f"{c['cpu_ratio_to_noop']!s:>9}"
     )
+    loaded = results["cost_loaded"]
+    label = f"the same, {loaded['held']} others held"
+    print(
+        f"{label:40} {loaded['usec_per_admission']:11.2f} {loaded['cpu_usec_per_admission']:9.2f} "
+        f"{loaded['commands_in_redis_per_admission']:6.1f}"
+    )
+    print(f"{'  its no-op EVALSHA':40} {loaded['noop_evalsha_usec']:11.3f} "
+          f"{loaded['noop_evalsha_cpu_usec']:9.3f} {1:6.1f}")  # fmt: skip
+    print(f"{'  its ratio':40} {loaded['ratio_to_noop']!s:>11} {loaded['cpu_ratio_to_noop']!s:>9}")
     print(f"left held after the replays: {results['left_after_replay']}")
     print(
         f"admissions/s on one Redis core: {c['admissions_per_s_per_core']} "

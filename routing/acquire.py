@@ -130,5 +130,5 @@ def _took_account(replies: list[Any], merged: bool) -> bool:
     if isinstance(reply, Exception):
         return False
     if merged:
-        return int(reply[0]) != ACCOUNT_FULL
+        return attempt(reply).status != ACCOUNT_FULL
     return int(reply) == 1

@@ -218,8 +218,9 @@ class Admission:
     def _add(self, model: Model, tiers: TiersConfig) -> None:
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
         slots = ModelSlots(
-            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers)
-        )
+            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers),
+            declare_all=not self.store.one_node,
+        )  # fmt: skip
         # Every endpoint is in rotation until health checks say otherwise.
         slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
         self.slots[model.name] = slots

@@ -107,8 +107,11 @@ class Handback:
         """The slot and the account's entry: one call on one Redis, else one per node."""
         slots = self.slots[lease.model]
         if self.store.one_node:
-            return [slots.release([lease.id], lease.account)]
-        return [slots.release([lease.id]), ("ZREM", [lease.account], [lease.id])]
+            return [slots.release([lease.id], lease.account, lease.endpoint)]
+        return [
+            slots.release([lease.id], endpoint=lease.endpoint),
+            ("ZREM", [lease.account], [lease.id]),
+        ]
 
     def _spool(self, usage: Mapping[str, str] | None) -> None:
         if usage is not None and self.spool is not None:

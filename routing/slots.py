@@ -31,6 +31,7 @@ def make_lease_id(prefix: str, weight: float, account: str) -> str:
 class Attempt:
     status: int
     endpoint: str
+    # For BUSY/QUEUED/FULL: the model's leases (a grant's reply leaves it out: 0).
     inflight: int
     # Waiters of the same or a better tier (for BUSY/QUEUED/FULL).
     ahead: int
@@ -105,7 +106,12 @@ class ModelSlots:
         max_queue: int,
         timing: Timing,
         fair: dict[Tier, bool] | None = None,
+        *,
+        declare_all: bool = True,
     ) -> None:
+        """`declare_all`: pass the scripts every key of the model, not only the leases
+        (a Redis Cluster: a node that is handing the slot on checks the keys a script was
+        given before it runs; a key it only names could fail it midway)."""
         tag = "gw:{" + model + "}:"
         self.model = model
         self.keys = [
@@ -119,9 +125,12 @@ class ModelSlots:
                 "freed",
                 "qexp",
                 "rebuild",
-                "state",
             )
         ]
+        # What the scripts are given: the leases first; on one Redis only those, as the
+        # scripts name the others after it, a key passed costing a script more than a name
+        # it makes (routing/lua/prelude.lua).
+        self._key = self.keys if declare_all else self.keys[:1]
         self.channel = tag + "wake"
         self._timing = timing
         # Whether this replica has seen the model's state in Redis (a sweep answered): if it
@@ -185,55 +194,62 @@ class ModelSlots:
         if affinity:
             mode, endpoints = "first", self._args([u for u in affinity if u in self._spec])
         t = self._timing
-        rest = (
-            f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms}"
+        packed = (
+            f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
+            + self._pump_spec
         )
         args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank], mode,
-                *endpoints, self.channel, self._pump_spec, rest]  # fmt: skip
+                *endpoints, packed]  # fmt: skip
         if account is None:
-            return ("acquire", self.keys, args)
-        return ("acquire", [*self.keys, account[0]], [*args, account[1]])
+            return ("acquire", self._key, args)
+        return ("acquire", [*self._key, account[0]], [*args, account[1]])
 
-    def release(self, ids: Sequence[str], account: str | None = None) -> Call:
+    def release(self, ids: Sequence[str], account: str | None = None, endpoint: str = "") -> Call:
         """Give these leases back, or take these waiters out of the queue (idempotent);
-        with `account` (on one Redis only), its entries for them too."""
-        keys = self.keys if account is None else [*self.keys, account]
-        return ("release", keys, [self.channel, self._pump_spec, len(ids), *ids])
+        with `account` (on one Redis only), its entries for them too. `endpoint`: where
+        the one lease given is (else every endpoint is looked at, which costs more)."""
+        keys = self._key if account is None else [*self._key, account]
+        args: list[Any] = [self._pump_spec, len(ids)]
+        for lease_id in ids:
+            args += (lease_id, endpoint if len(ids) == 1 else "")
+        return ("release", keys, args)
 
     def cancel(self, waiter_id: str, rank: int = 1) -> Call:
         """A waiter of tier `rank` leaves. Reply: an integer if it was still queued (now
         removed): the grants likely before it if it queued again; else its granted endpoint
         ('' for an id Redis does not know)."""
         fair = int(self._fair[rank] == "a")
-        return ("cancel", self.keys, [waiter_id, self._timing.lease_ttl_ms, fair])
+        return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair, self._pump_spec])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
         flat = [x for pair in leases for x in pair]
-        return ("claim", self.keys, [self._timing.lease_ttl_ms, *flat])
+        return ("claim", self._key, [self._timing.lease_ttl_ms, *flat])
 
     def sweep(self, leases: Sequence[tuple[str, str]], waiters: Sequence[tuple[str, int]]) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
         it has queued (id, place)."""
         t = self._timing
-        args: list[Any] = [t.lease_ttl_ms, t.waiter_ttl_ms, self.channel, self._pump_spec,
-                           len(leases)]  # fmt: skip
+        args: list[Any] = [t.lease_ttl_ms, t.waiter_ttl_ms, self._pump_spec, len(leases)]
         for pair in leases:
             args += pair
         args.append(len(waiters))
         for waiter_id, place in waiters:
             args += (waiter_id, place)
         args += (t.rebuild_ms, int(self.known))
-        return ("sweep", self.keys, args)
+        return ("sweep", self._key, args)
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:
         """Move a held lease off `avoid` onto another endpoint (of `only`) with room."""
         urls = [u for u in (self.urls if only is None else only) if u != avoid and u in self._spec]
-        args = [lease_id, self._timing.lease_ttl_ms, *self._args(urls)]
-        return ("move", self.keys, args)
+        args = [lease_id, self._timing.lease_ttl_ms, avoid, *self._args(urls)]
+        return ("move", self._key, args)
 
 
-def attempt(reply: Sequence[Any]) -> Attempt:
+def attempt(reply: Any) -> Attempt:
+    """The acquire script's reply: the endpoint alone when granted (a string), else a list."""
+    if isinstance(reply, bytes | str):
+        return Attempt(GRANTED, text(reply), 0, 0, 0)
     ahead = int(reply[3])
     turn = int(reply[6]) if len(reply) > 6 else ahead
     return Attempt(

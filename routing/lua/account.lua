@@ -4,9 +4,9 @@
 -- Returns 1 when taken, 0 when the account is at its limit.
 local now = now_ms()
 -- The first write frees memory (not `denyoom`), so this runs at maxmemory too.
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', score(now))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 -- (Returns inside a block: the prelude's rest follows, never run.)
-if take_account(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), now) then
+if take_account(KEYS[1], ARGV[1], tonumber(ARGV[2]), now, now + ARGV[3], ARGV[3]) then
   return 1
 else
   return 0

@@ -2,20 +2,35 @@
 -- functions a script's common case needs, then (at the script's `-- @rest` line, or before
 -- the script when it has none) the others. Lua makes each local function anew on every call
 -- (about 50 ns each), so the common case stops before the rest are made.
--- Every key of one model shares the hash tag {model}, so each script touches one slot.
--- KEYS[1] leases   ZSET lease_id -> expiry (ms, Redis TIME)
--- KEYS[2] queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
--- KEYS[3] ep_of    HASH lease_id -> endpoint url
--- KEYS[4] ep_load  HASH endpoint url -> leases held on it
--- KEYS[5] seq      STRING queue sequence
--- KEYS[6] freed    STRING slots freed so far (releases and expiries), for Retry-After
--- KEYS[7] qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so
---                  the waiters of a dead replica leave the queue within the waiter TTL
--- KEYS[8] rebuild  STRING, present for a short while after Redis lost this model's state:
---                  no slot is granted until every replica has written back its own
--- KEYS[9] state    STRING, present while Redis holds this model's state: a replica that has
---                  seen it before and finds it gone knows Redis restarted empty or failed over
--- Fair share's keys (prelude's rest) are named after KEYS[2], with the same hash tag.
+-- KEYS[1] is the model's `leases`; its other keys are named after it (the same hash tag
+-- {model}, so every script touches one Cluster slot). A key passed in KEYS costs a script
+-- about 230 ns, a name made here about 100 ns, and only the names a path uses are made.
+-- leases   ZSET "lease_id url" -> expiry (ms, Redis TIME): each names its endpoint (an id
+--          or a URL holds no space), so nothing else records where a lease runs
+-- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
+-- ep_of    HASH lease_id -> endpoint url, of leases written before a lease's member named
+--          its endpoint (`split`): read only when such a lease expires
+-- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
+--          holds this model's state (a replica that has seen it before and finds it gone
+--          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
+--          may be open (`rebuild`). Both read 0 as numbers, so the loads still add up.
+-- seq      STRING queue sequence
+-- freed    STRING slots freed so far (releases and expiries), for Retry-After
+-- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
+--          waiters of a dead replica leave the queue within the waiter TTL
+-- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
+--          is granted until every replica has written back its own
+-- wake     the channel granted waiters are woken on
+-- Fair share's keys (prelude's rest) are named the same way.
+local LEASES = KEYS[1]
+local BASE = string.sub(LEASES, 1, -7)
+local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
+local QEXP, FREED = BASE .. 'qexp', BASE .. 'freed'
+-- On one Redis, acquire and release may be given an account's key after the model's (the
+-- leases alone, or on a Cluster all eight: routing/slots.py `declare_all`).
+local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
+-- The state marker's value when no rebuild window can be open: the common case's test.
+local STEADY = '0'
 local RANK = 1e15
 
 local function now_ms()
@@ -23,67 +38,72 @@ local function now_ms()
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 
--- A whole number as Redis takes it. Also for every number a hot path hands to Redis:
--- redis.call turns a Lua number into text with '%.17g', which costs more.
+-- A whole number as text, for the bounds of a range (ZCOUNT '(' .. n). A number handed to
+-- Redis as it is costs less than this (string.format is about 0.75 usec, redis.call's own
+-- '%.17g' less, and exact for whole numbers below 2^53: times in ms, queue places).
 local function score(n)
   return string.format('%.0f', n)
 end
 
--- Forget a lease. Its first write (ZREM) is not `denyoom`: see `expire`.
-local function drop_lease(id)
-  if redis.call('ZREM', KEYS[1], id) == 0 then return 0 end
-  local ep = redis.call('HGET', KEYS[3], id)
-  if ep then
-    redis.call('HINCRBY', KEYS[4], ep, '-1')
-    redis.call('HDEL', KEYS[3], id)
-  end
+-- Forget `id`'s lease on `ep`; 1 if it was there. Its first write (ZREM) is not `denyoom`:
+-- see `expire`.
+local function drop_lease(id, ep)
+  if redis.call('ZREM', LEASES, id .. ' ' .. ep) == 0 then return 0 end
+  redis.call('HINCRBY', EP_LOAD, ep, '-1')
   return 1
 end
 
--- The endpoint to take from a list of them in `src` (ARGV, or a spec: `parse_spec`) at
--- index `eps`: n, then n triples (url, max_concurrency, penalty); the penalty (>= 0) is the
--- worker's own load signal (queue, KV cache), 0 when not scraped. In 'first' mode the first
--- with room (cache affinity order), else the least loaded relative to its size, plus its
--- penalty. nil when every endpoint is full. One HMGET reads their loads.
-local function pick(src, eps, mode)
-  local n = tonumber(src[eps])
+-- The state marker, then the loads of the n endpoints in `src` (ARGV, or a spec:
+-- `parse_spec`) at index `eps` (n, then n triples url, max_concurrency, penalty): one HMGET.
+local function loads_of(src, eps, n)
+  local fields = {EP_LOAD, '~s'}
+  for i = 1, n or tonumber(src[eps]) do fields[i + 2] = src[eps + 3 * i - 2] end
+  return redis.call('HMGET', unpack(fields))
+end
+
+-- The endpoint to take of those in `src` at `eps` (see `loads_of`, whose reply `loads` is,
+-- or is read here); the penalty (>= 0) is the worker's own load signal (queue, KV cache), 0
+-- when not scraped. In 'first' mode the first with room (cache affinity order), else the
+-- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
+local function pick(src, eps, mode, loads, n)
+  n = n or tonumber(src[eps])
   if n == 0 then return nil end
-  local urls = {}
-  for i = 1, n do urls[i] = src[eps + 3 * i - 2] end
-  local loads = redis.call('HMGET', KEYS[4], unpack(urls))
+  loads = loads or loads_of(src, eps, n)
   local best, best_score = nil, nil
   for i = 1, n do
-    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i]) or 0
+    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i + 1]) or 0
     if load < size then
-      if mode == 'first' then return urls[i] end
+      if mode == 'first' then return src[eps + 3 * i - 2] end
       local s = load / size + tonumber(src[eps + 3 * i])
-      if best == nil or s < best_score then best, best_score = urls[i], s end
+      if best == nil or s < best_score then best, best_score = src[eps + 3 * i - 2], s end
     end
   end
   return best
 end
 
 local function grant(id, ep, expiry)
-  redis.call('ZADD', KEYS[1], score(expiry), id)
-  redis.call('HSET', KEYS[3], id, ep)
-  redis.call('HINCRBY', KEYS[4], ep, '1')
+  redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
+  redis.call('HINCRBY', EP_LOAD, ep, '1')
 end
 
 -- An account's own limit across replicas: `key` is gw:acct:{account}, a ZSET lease_id ->
--- expiry. Takes an entry for `id` unless the account holds `limit` live ones (entries of
--- replicas that died are reclaimed only when it looks full); true when taken. The key goes
--- with its last entry: accounts of replicas that died leave nothing behind.
-local function take_account(key, id, limit, ttl, now)
+-- expiry. Takes an entry for `id` until `expiry` unless the account holds `limit` live ones
+-- (entries of replicas that died are reclaimed only when it looks full); true when taken.
+-- The key lives `ttl` ms more, and goes with its last entry: accounts of replicas that died
+-- leave nothing behind. (`expiry` and `ttl` as text: a number costs a conversion per call.)
+local function take_account(key, id, limit, now, expiry, ttl)
   if redis.call('ZCARD', key) >= limit then
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', score(now))
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
     if redis.call('ZCARD', key) >= limit then return false end
   end
-  redis.call('ZADD', key, score(now + ttl), id)
-  redis.call('PEXPIRE', key, score(ttl))
+  redis.call('ZADD', key, expiry, id)
+  redis.call('PEXPIRE', key, ttl)
   return true
 end
 
 -- @rest
+
+local SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
 
 -- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
 -- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
@@ -95,7 +115,6 @@ end
 -- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
 -- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
 local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
-local BASE = string.sub(KEYS[2], 1, -6)
 local HELD = BASE .. 'held'
 local function account_queue(rank, acct) return BASE .. 'fq:' .. rank .. ':' .. acct end
 local function account_index(rank) return BASE .. 'fi:' .. rank end
@@ -107,9 +126,32 @@ local function account_of(id)
   return a or '', tonumber(w) or 1
 end
 
+-- A member of `leases`: its lease id and endpoint. A member written before members named
+-- their endpoint is the id alone, its endpoint in `ep_of`.
+local function split(m)
+  local at = string.find(m, ' ', 1, true)
+  if at then return string.sub(m, 1, at - 1), string.sub(m, at + 1) end
+  return m, redis.call('HGET', EP_OF, m)
+end
+
+-- The endpoint `id` holds a lease on, of the endpoints in `src` at `eps` (see `pick`), and
+-- the lease's expiry; nil when none (one ZMSCORE). For ids whose endpoint the caller does
+-- not know: a waiter granted meanwhile, an id whose acquire went unanswered.
+local function find_lease(id, src, eps)
+  local n = tonumber(src[eps])
+  if n == 0 then return nil end
+  local members = {}
+  for i = 1, n do members[i] = id .. ' ' .. src[eps + 3 * i - 2] end
+  local found = redis.call('ZMSCORE', LEASES, unpack(members))
+  for i = 1, n do
+    if found[i] then return src[eps + 3 * i - 2], found[i] end
+  end
+  return nil
+end
+
 -- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
 local function count(id, delta)
-  if redis.call('ZCARD', KEYS[2]) == 0 then return end
+  if redis.call('ZCARD', QUEUE) == 0 then return end
   local acct = account_of(id)
   if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
 end
@@ -119,8 +161,8 @@ end
 local function recount()
   redis.call('DEL', HELD)
   local per = {}
-  for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-    local acct = account_of(id)
+  for _, m in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
+    local acct = account_of(string.match(m, '^[^ ]+'))
     per[acct] = (per[acct] or 0) + 1
   end
   local flat = {}
@@ -155,12 +197,12 @@ end
 
 -- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
 local function enqueue(id, rank, seq)
-  if redis.call('ZCARD', KEYS[2]) == 0 then recount() end
-  redis.call('ZADD', KEYS[2], score(rank * RANK + seq), id)
+  if redis.call('ZCARD', QUEUE) == 0 then recount() end
+  redis.call('ZADD', QUEUE, rank * RANK + seq, id)
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
   local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
-  redis.call('ZADD', queue, score(seq), id)
+  redis.call('ZADD', queue, seq, id)
   if head[1] == nil or seq < tonumber(head[2]) then
     reindex(rank, acct, weight, head[1] and member(tonumber(head[2]), acct))
   end
@@ -169,11 +211,11 @@ end
 -- Take an id out of the queue (a no-op for an id never queued, but a write that is not
 -- `denyoom`: see `expire`), its account's queue and, if it was the oldest, the index.
 local function unqueue(id)
-  redis.call('ZREM', KEYS[7], id)
-  local place = redis.call('ZSCORE', KEYS[2], id)
+  redis.call('ZREM', QEXP, id)
+  local place = redis.call('ZSCORE', QUEUE, id)
   if not place then return end
-  redis.call('ZREM', KEYS[2], id)
-  if redis.call('ZCARD', KEYS[2]) == 0 then redis.call('DEL', HELD) end
+  redis.call('ZREM', QUEUE, id)
+  if redis.call('ZCARD', QUEUE) == 0 then redis.call('DEL', HELD) end
   local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
@@ -187,9 +229,9 @@ end
 -- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
 -- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
 local function turn_of(id, rank, fair)
-  local ahead = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score((rank + 1) * RANK))
+  local ahead = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
   if not fair then return ahead end
-  local better = redis.call('ZCOUNT', KEYS[2], '-inf', '(' .. score(rank * RANK))
+  local better = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score(rank * RANK))
   local acct, weight = account_of(id)
   local own = redis.call('ZCARD', account_queue(rank, acct))
   local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
@@ -206,7 +248,7 @@ local function fair_head(rank)
     if not best then return nil end
     local acct = string.sub(best, 17)
     local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0)[1]
-    if head and redis.call('ZSCORE', KEYS[2], head) then return head end
+    if head and redis.call('ZSCORE', QUEUE, head) then return head end
     if head then redis.call('ZREM', account_queue(rank, acct), head) end
     reindex(rank, acct, select(2, account_of(head or '')), best)
   end
@@ -225,18 +267,23 @@ end
 -- `ranks`: the number of tiers, from the caller's spec (else those of tiers/policy.py).
 local function expire(now, waiting, ranks)
   local late = {}
-  local upto = score(now)
-  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', upto) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', upto)
+  local upto = now
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', QEXP, '-inf', upto) end
+  redis.call('ZREMRANGEBYSCORE', QEXP, '-inf', upto)
   for _, id in ipairs(late) do unqueue(id) end
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', upto)
-  for _, id in ipairs(gone) do
-    if drop_lease(id) == 1 then count(id, -1) end
+  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', upto)
+  for i, m in ipairs(gone) do
+    local id, ep = split(m)
+    redis.call('ZREM', LEASES, m)
+    if ep then redis.call('HINCRBY', EP_LOAD, ep, '-1') end
+    if id == m then redis.call('HDEL', EP_OF, id) end
+    count(id, -1)
+    gone[i] = id
   end
-  if #gone > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
+  if #gone > 0 and redis.call('ZCARD', QUEUE) > 0 then
     for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
   end
-  if #gone > 0 then redis.call('INCRBY', KEYS[6], score(#gone)) end
+  if #gone > 0 then redis.call('INCRBY', FREED, #gone) end
 end
 
 -- The waiter of the best tier that may take a slot now, or nil: in a `fair` tier the oldest
@@ -249,7 +296,7 @@ local function eligible_head(inflight, ceilings, fair)
       -- A tier's waiters queued by scripts without account queues go after the others.
       local head = fair[rank + 1] and {fair_head(rank)} or {}
       if not head[1] then
-        head = redis.call('ZRANGEBYSCORE', KEYS[2], score(rank * RANK),
+        head = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
           '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
       end
       if head[1] then return head[1] end
@@ -261,7 +308,14 @@ end
 -- Redis lost this model's state (restart, failover) and replicas are writing back what they
 -- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
 local function rebuilding()
-  return redis.call('EXISTS', KEYS[8]) == 1
+  return redis.call('EXISTS', REBUILD) == 1
+end
+
+-- Open the rebuild window for `ms`: the state marker says so too (the common case then
+-- checks `rebuild`; the sweep sets it back once the window is over).
+local function open_window(ms)
+  redis.call('SET', REBUILD, '1', 'PX', ms)
+  redis.call('HSET', EP_LOAD, '~s', '00')
 end
 
 -- Whether Redis lost this model's state: the marker is gone. A replica that has seen it
@@ -270,13 +324,11 @@ end
 -- queue's sequence restarts from Redis TIME, after any place a waiter held before.
 -- `present`: whether the marker is there, when the caller read it already.
 local function lost(now, known, rebuild_ms, present)
-  if present == nil then present = redis.call('EXISTS', KEYS[9]) == 1 end
+  if present == nil then present = redis.call('HGET', EP_LOAD, '~s') ~= false end
   if present then return false end
-  redis.call('SET', KEYS[9], '1')
-  if tonumber(redis.call('GET', KEYS[5]) or '0') < now then redis.call('SET', KEYS[5], score(now)) end
-  if known == '1' and tonumber(rebuild_ms) > 0 then
-    redis.call('SET', KEYS[8], '1', 'PX', rebuild_ms)
-  end
+  redis.call('HSET', EP_LOAD, '~s', STEADY)
+  if tonumber(redis.call('GET', SEQ) or '0') < now then redis.call('SET', SEQ, now) end
+  if known == '1' and tonumber(rebuild_ms) > 0 then open_window(rebuild_ms) end
   return true
 end
 
@@ -285,11 +337,11 @@ end
 -- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization;
 -- the endpoints are in `src` at `eps` (see `pick`); fair[rank + 1]: whether that tier shares
 -- between accounts.
-local function pump(now, claim, ceilings, fair, src, eps, channel)
-  if redis.call('ZCARD', KEYS[2]) == 0 or rebuilding() then return 0 end
+local function pump(now, claim, ceilings, fair, src, eps)
+  if redis.call('ZCARD', QUEUE) == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
-    local id = eligible_head(redis.call('ZCARD', KEYS[1]), ceilings, fair)
+    local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
     if not id then break end
     local ep = pick(src, eps, 'least')
     if not ep then break end
@@ -297,7 +349,7 @@ local function pump(now, claim, ceilings, fair, src, eps, channel)
     grant(id, ep, now + claim)
     count(id, 1)
     reweigh(id, #ceilings)
-    redis.call('PUBLISH', channel, id .. ' ' .. ep)
+    redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
     granted = granted + 1
   end
   return granted
@@ -307,8 +359,8 @@ end
 -- (restart, failover). Returns 1 when it had to be written back.
 local function hold(id, ep, expiry)
   unqueue(id)
-  if redis.call('ZSCORE', KEYS[1], id) then
-    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+  if redis.call('ZSCORE', LEASES, id .. ' ' .. ep) then
+    redis.call('ZADD', LEASES, 'XX', expiry, id .. ' ' .. ep)
     return 0
   end
   grant(id, ep, expiry)
@@ -324,17 +376,18 @@ local function words(s)
 end
 
 -- What pumping needs, in one argument read only when someone waits (an argument costs a
--- script about 75 ns whether read or not): "claim_ms n ceiling.. fair n url max penalty..",
--- the tiers' ceilings best first, then one letter per tier, best first ('a' shares between
--- accounts, 'f' first come first served). Returns claim_ms, the ceilings, whether each tier
--- is fair, and the words and index of the endpoints for `pick`.
-local function parse_spec(s)
-  local t = words(s)
-  local n = tonumber(t[2])
+-- script about 170 ns whether read or not), as words (`words`) from index `at`:
+-- "claim_ms n ceiling.. fair n url max penalty..", the tiers' ceilings best first, then one
+-- letter per tier, best first ('a' shares between accounts, 'f' first come first served).
+-- Returns claim_ms, the ceilings, whether each tier is fair, and the words and index of the
+-- endpoints for `pick`.
+local function parse_spec(t, at)
+  local a = (at or 1) - 1
+  local n = tonumber(t[a + 2])
   local ceilings, fair = {}, {}
   for i = 1, n do
-    ceilings[i] = tonumber(t[2 + i])
-    fair[i] = string.sub(t[3 + n], i, i) == 'a'
+    ceilings[i] = tonumber(t[a + 2 + i])
+    fair[i] = string.sub(t[a + 3 + n], i, i) == 'a'
   end
-  return tonumber(t[1]), ceilings, fair, t, 4 + n
+  return tonumber(t[a + 1]), ceilings, fair, t, a + 4 + n
 end

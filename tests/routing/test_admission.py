@@ -189,6 +189,13 @@ class Fleet:
     async def leases(self, model: str) -> int:
         return int(await self.redis.zcard("gw:{" + model + "}:leases"))
 
+    async def member(self, model: str, lease_id: str) -> str | None:
+        """`lease_id`'s member in the model's leases ("id url"), None if it holds none."""
+        for m in map(text, await self.redis.zrange("gw:{" + model + "}:leases", 0, -1)):
+            if m.split(" ")[0] == lease_id:
+                return m
+        return None
+
     async def queued(self, model: str) -> int:
         return int(await self.redis.zcard("gw:{" + model + "}:queue"))
 
@@ -333,8 +340,7 @@ async def test_admit_leases_a_free_slot(fleet: Fleet) -> None:
     assert (lease.model, admitted.candidate.index, admitted.tier) == ("two", 0, Tier.DEFAULT)
     assert lease.endpoint in TWO_ENDPOINTS
     assert not lease.local
-    assert await fleet.redis.zscore("gw:{two}:leases", lease.id) is not None
-    assert text(await fleet.redis.hget("gw:{two}:ep_of", lease.id)) == lease.endpoint
+    assert await fleet.member("two", lease.id) == f"{lease.id} {lease.endpoint}"
     assert await fleet.account() == 1
     await bounded(adm.release(lease))
     assert adm.held == {}
@@ -513,7 +519,7 @@ async def test_lost_wake_up_is_found_by_the_sweep(fleet: Fleet) -> None:
     task = asyncio.create_task(admit(adm, fleet.plan("two")))
     waiter_id = await bounded(queued.get())
     await bounded(adm.release(held[0]))  # granted in Redis; nobody hears the message
-    assert await fleet.redis.zscore("gw:{two}:leases", waiter_id) is not None
+    assert await fleet.member("two", waiter_id) is not None
     assert not task.done()
     await bounded(keeper.sweep_once())
     admitted = await bounded(task)
@@ -530,10 +536,11 @@ async def test_keeper_sweep_keeps_held_leases_alive_and_reports_state(fleet: Fle
     lease = (await admit(adm, fleet.plan("two"))).lease
     seconds, micros = await fleet.redis.time()
     soon = seconds * 1000 + micros // 1000 + 2000  # about to expire, not yet expired
-    await fleet.redis.zadd("gw:{two}:leases", {lease.id: soon}, xx=True)
+    member = f"{lease.id} {lease.endpoint}"
+    await fleet.redis.zadd("gw:{two}:leases", {member: soon}, xx=True)
     await fleet.redis.zadd("gw:acct:{t-acme}", {lease.id: soon}, xx=True)
     await bounded(keeper.sweep_once())
-    assert (await fleet.redis.zscore("gw:{two}:leases", lease.id) or 0) > soon
+    assert (await fleet.redis.zscore("gw:{two}:leases", member) or 0) > soon
     assert (await fleet.redis.zscore("gw:acct:{t-acme}", lease.id) or 0) > soon
     assert keeper.states["two"].inflight == 1
     assert keeper.states["two"].queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 0}
@@ -577,13 +584,13 @@ async def test_the_lease_of_a_replica_gone_is_reclaimed_by_another(fleet: Fleet)
     await bounded(queued.get())
     seconds, micros = await fleet.redis.time()
     past = seconds * 1000 + micros // 1000 - 1000
-    await fleet.redis.zadd("gw:{two}:leases", {held[0].id: past}, xx=True)
+    await fleet.redis.zadd("gw:{two}:leases", {f"{held[0].id} {held[0].endpoint}": past}, xx=True)
     await bounded(keeper.sweep_once())
     admitted = await bounded(waiter)
     assert admitted.lease.endpoint == held[0].endpoint
     assert await fleet.leases("two") == 2
     await release_all(alive, [admitted.lease])
-    await fleet.redis.zadd("gw:{two}:leases", {held[1].id: past}, xx=True)
+    await fleet.redis.zadd("gw:{two}:leases", {f"{held[1].id} {held[1].endpoint}": past}, xx=True)
     await fleet.redis.zadd("gw:acct:{t-acme}", {h.id: past for h in held}, xx=True)
     await bounded(keeper.sweep_once())
     assert await fleet.leases("two") == 0
@@ -616,7 +623,7 @@ async def test_cancelled_waiter_gives_back_a_grant_it_never_heard_of(fleet: Flee
     task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
     waiter_id = await bounded(queued.get())
     await bounded(holder.release(held[0]))  # granted; no listener hears it
-    assert await fleet.redis.zscore("gw:{two}:leases", waiter_id) is not None
+    assert await fleet.member("two", waiter_id) is not None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
