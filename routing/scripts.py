@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Sequence
 from functools import partial
 from importlib import resources
@@ -39,19 +40,42 @@ STORE_ERRORS = (RedisError, OSError)
 
 _PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move")
 _PLAIN = ("account_keep", "heartbeat", "usage")
-# Where a script wants the prelude's rest (routing/lua/prelude.lua).
+# Where a script wants the prelude's rest (routing/lua/prelude.lua); the prelude's functions
+# a script's common case calls, named on its `-- @needs` line; where each begins.
 REST = "-- @rest\n"
+NEEDS = re.compile(r"^-- @needs (.*)$", re.M)
+FN = re.compile(r"^-- @fn (\w+)\n", re.M)
 
 
 def _lua(name: str) -> str:
     return resources.files("routing").joinpath("lua", name).read_text(encoding="utf-8")
 
 
-def _assembled(core: str, rest: str, body: str) -> str:
-    """The prelude's core, then the script's common case, the prelude's rest at the
-    script's `-- @rest` line (or at its start), then the script's other cases."""
-    first, marked, then = body.partition(REST)
-    return core + (first + rest + then if marked else rest + body)
+class Prelude:
+    """prelude.lua in its parts: the key names, the functions (`-- @fn name` blocks, in
+    their order), and the rest."""
+
+    def __init__(self, text: str) -> None:
+        core, self.rest = text.split(REST)
+        parts = FN.split(core)
+        self.names = parts[0]
+        self.functions = list(zip(parts[1::2], parts[2::2], strict=True))
+
+    def around(self, body: str) -> str:
+        """The key names, the functions the script's common case needs, its common case,
+        the other functions and the prelude's rest at its `-- @rest` line (or at its start),
+        then its other cases: Lua makes a local function on every call, so the common case
+        makes only those it calls."""
+        first, marked, then = body.partition(REST)
+        found = NEEDS.search(first) if marked else None
+        needs = set(found.group(1).split()) if found else set()
+        if unknown := needs - {name for name, _ in self.functions}:
+            raise ValueError(f"no such prelude function: {sorted(unknown)}")
+        before = "".join(code for name, code in self.functions if name in needs)
+        after = "".join(code for name, code in self.functions if name not in needs)
+        if not marked:
+            return self.names + after + self.rest + body
+        return self.names + before + first + after + self.rest + then
 
 
 def first_error(replies: Sequence[Any]) -> Exception | None:
@@ -60,8 +84,8 @@ def first_error(replies: Sequence[Any]) -> Exception | None:
 
 class Scripts:
     def __init__(self) -> None:
-        core, rest = _lua("prelude.lua").split(REST)
-        self._text = {n: _assembled(core, rest, _lua(f"{n}.lua")) for n in _PRELUDED}
+        prelude = Prelude(_lua("prelude.lua"))
+        self._text = {n: prelude.around(_lua(f"{n}.lua")) for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self.sha = {n: hashlib.sha1(t.encode()).hexdigest() for n, t in self._text.items()}  # noqa: S324
 

@@ -13,10 +13,11 @@
 -- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier), -2 the
 -- account is at its limit; turn = the grants likely to go first (prelude: `turn_of`);
 -- rebuild = ms left of the rebuild window when that is why it is busy, else 0.
+-- @needs now_ms take_account loads_of pick grant
 local id, ttl, n = ARGV[1], ARGV[2], tonumber(ARGV[6])
 local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
-local expiry = tostring(now + ttl)
+local expiry = (now + ttl) .. ''
 -- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
 -- queued before leaves its place below, in the rest: the queue is not empty then).
 redis.call('ZREM', QEXP, id)

@@ -6,6 +6,7 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
+-- @needs drop_lease
 local freed, unsure = {}, {}
 for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   local id, ep = ARGV[i], ARGV[i + 1]
