@@ -19,8 +19,9 @@ local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
 local expiry = (now + ttl) .. ''
 -- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
--- queued before leaves its place below, in the rest: the queue is not empty then).
-redis.call('ZREM', QEXP, id)
+-- queued before leaves its place below, in the rest: the queue is not empty then). Left
+-- out where Redis lets the script itself run at maxmemory (routing/scripts.py `ALLOW_OOM`).
+redis.call('ZREM', QEXP, id)  -- @oom-guard
 -- On one Redis a walk's first try takes the account's own slot here too: ACCOUNT is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
@@ -28,17 +29,15 @@ if ACCOUNT then
   local limit = tonumber(ARGV[8 + 3 * n])
   if not take_account(ACCOUNT, id, limit, now, expiry, ttl) then return {-2, '', 0, 0, 0, 0} end
 end
--- The common case costs a few reads: room for the tier, nobody queued, the model's state
--- known and no rebuild window. Then there is nothing to pump, and leases that expired
+-- The common case costs a few reads: the model's state known, no rebuild window, nobody
+-- waiting, room for the tier. Then there is nothing to pump, and leases that expired
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
-if redis.call('ZCARD', QUEUE) == 0 and redis.call('ZCARD', LEASES) < tonumber(ARGV[4]) then
-  local loads = loads_of(ARGV, 6, n)
-  if loads[1] == STEADY then
-    local ep = pick(ARGV, 6, ARGV[5], loads, n)
-    if ep then
-      grant(id, ep, expiry)
-      return ep
-    end
+local loads = loads_of(ARGV, 6, n)
+if loads[1] == STEADY and loads[2] == '0' and redis.call('ZCARD', LEASES) < tonumber(ARGV[4]) then
+  local ep = pick(ARGV, 6, ARGV[5], loads, n)
+  if ep then
+    grant(id, ep, expiry)
+    return ep
   end
 end
 -- @rest

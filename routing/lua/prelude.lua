@@ -14,7 +14,9 @@
 -- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
 --          holds this model's state (a replica that has seen it before and finds it gone
 --          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
---          may be open (`rebuild`). Both read 0 as numbers, so the loads still add up.
+--          may be open (`rebuild`); and `~q`: '00' while someone may wait in `queue`, '0'
+--          when it is empty (set when it turns so, and by every sweep). Both fields read 0
+--          as numbers, so the loads still add up.
 -- seq      STRING queue sequence
 -- freed    STRING slots freed so far (releases and expiries), for Retry-After
 -- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
@@ -59,11 +61,12 @@ local function drop_lease(id, ep)
 end
 
 -- @fn loads_of
--- The state marker, then the loads of the n endpoints in `src` (ARGV, or a spec:
--- `parse_spec`) at index `eps` (n, then n triples url, max_concurrency, penalty): one HMGET.
+-- The state marker and the waiting flag, then the loads of the n endpoints in `src` (ARGV,
+-- or a spec: `parse_spec`) at index `eps` (n, then n triples url, max_concurrency,
+-- penalty): one HMGET.
 local function loads_of(src, eps, n)
-  local fields = {EP_LOAD, '~s'}
-  for i = 1, n or tonumber(src[eps]) do fields[i + 2] = src[eps + 3 * i - 2] end
+  local fields = {EP_LOAD, '~s', '~q'}
+  for i = 1, n or tonumber(src[eps]) do fields[i + 3] = src[eps + 3 * i - 2] end
   return redis.call('HMGET', unpack(fields))
 end
 
@@ -78,7 +81,7 @@ local function pick(src, eps, mode, loads, n)
   loads = loads or loads_of(src, eps, n)
   local best, best_score = nil, nil
   for i = 1, n do
-    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i + 1]) or 0
+    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i + 2]) or 0
     if load < size then
       if mode == 'first' then return src[eps + 3 * i - 2] end
       local s = load / size + tonumber(src[eps + 3 * i])
@@ -206,7 +209,10 @@ end
 
 -- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
 local function enqueue(id, rank, seq)
-  if redis.call('ZCARD', QUEUE) == 0 then recount() end
+  if redis.call('ZCARD', QUEUE) == 0 then
+    recount()
+    redis.call('HSET', EP_LOAD, '~q', '00')
+  end
   redis.call('ZADD', QUEUE, rank * RANK + seq, id)
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
@@ -224,7 +230,10 @@ local function unqueue(id)
   local place = redis.call('ZSCORE', QUEUE, id)
   if not place then return end
   redis.call('ZREM', QUEUE, id)
-  if redis.call('ZCARD', QUEUE) == 0 then redis.call('DEL', HELD) end
+  if redis.call('ZCARD', QUEUE) == 0 then
+    redis.call('DEL', HELD)
+    redis.call('HSET', EP_LOAD, '~q', '0')
+  end
   local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
@@ -335,7 +344,7 @@ end
 local function lost(now, known, rebuild_ms, present)
   if present == nil then present = redis.call('HGET', EP_LOAD, '~s') ~= false end
   if present then return false end
-  redis.call('HSET', EP_LOAD, '~s', STEADY)
+  redis.call('HSET', EP_LOAD, '~s', STEADY, '~q', '0')
   if tonumber(redis.call('GET', SEQ) or '0') < now then redis.call('SET', SEQ, now) end
   if known == '1' and tonumber(rebuild_ms) > 0 then open_window(rebuild_ms) end
   return true
