@@ -16,10 +16,21 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 STARTUP_DEADLINE_S = 10.0
+
+
+def endpoint_load(fields: Mapping[Any, Any]) -> int:
+    """Leases counted on a model's endpoints, from its `ep_load` hash (HGETALL): the fields
+    of its flags (`~s`, `~f`: state, frees) left out."""
+    return sum(int(v) for k, v in fields.items() if not _text(k).startswith("~"))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def free_port() -> int:

@@ -33,7 +33,8 @@ end
 -- waiting, room for the tier. Then there is nothing to pump, and leases that expired
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
 local loads = loads_of(ARGV, 6, n)
-if loads[1] == STEADY and loads[2] == '0' and redis.call('ZCARD', LEASES) < tonumber(ARGV[4]) then
+if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
+    and redis.call('ZCARD', LEASES) < tonumber(ARGV[4]) then
   local ep = pick(ARGV, 6, ARGV[5], loads, n)
   if ep then
     grant(id, ep, expiry)

@@ -14,11 +14,11 @@
 -- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
 --          holds this model's state (a replica that has seen it before and finds it gone
 --          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
---          may be open (`rebuild`); and `~q`: '00' while someone may wait in `queue`, '0'
---          when it is empty (set when it turns so, and by every sweep). Both fields read 0
---          as numbers, so the loads still add up.
+--          may be open (`rebuild`); and `~f`: 2 x the slots freed so far (releases and
+--          expiries, for Retry-After), plus 1 while someone may wait in `queue` (set when
+--          it turns empty or not, mended by every sweep): so a release counts its free and
+--          learns whether to pump in one HINCRBY, and the acquire reads it with the loads.
 -- seq      STRING queue sequence
--- freed    STRING slots freed so far (releases and expiries), for Retry-After
 -- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
 --          waiters of a dead replica leave the queue within the waiter TTL
 -- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
@@ -28,7 +28,7 @@
 local LEASES = KEYS[1]
 local BASE = string.sub(LEASES, 1, -7)
 local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
-local QEXP, FREED = BASE .. 'qexp', BASE .. 'freed'
+local QEXP = BASE .. 'qexp'
 -- On one Redis, acquire and release may be given an account's key after the model's (the
 -- leases alone, or on a Cluster all eight: routing/slots.py `declare_all`).
 local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
@@ -61,11 +61,11 @@ local function drop_lease(id, ep)
 end
 
 -- @fn loads_of
--- The state marker and the waiting flag, then the loads of the n endpoints in `src` (ARGV,
+-- The state marker and `~f`, then the loads of the n endpoints in `src` (ARGV,
 -- or a spec: `parse_spec`) at index `eps` (n, then n triples url, max_concurrency,
 -- penalty): one HMGET.
 local function loads_of(src, eps, n)
-  local fields = {EP_LOAD, '~s', '~q'}
+  local fields = {EP_LOAD, '~s', '~f'}
   for i = 1, n or tonumber(src[eps]) do fields[i + 3] = src[eps + 3 * i - 2] end
   return redis.call('HMGET', unpack(fields))
 end
@@ -168,6 +168,12 @@ local function count(id, delta)
   if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
 end
 
+-- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`.
+local function mark_waiting(on)
+  local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '0')
+  if (marks % 2 == 1) ~= on then redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1) end
+end
+
 -- Count every account's leases afresh (O(leases), once each time the queue stops being
 -- empty; leases granted meanwhile were not counted).
 local function recount()
@@ -211,7 +217,7 @@ end
 local function enqueue(id, rank, seq)
   if redis.call('ZCARD', QUEUE) == 0 then
     recount()
-    redis.call('HSET', EP_LOAD, '~q', '00')
+    mark_waiting(true)
   end
   redis.call('ZADD', QUEUE, rank * RANK + seq, id)
   local acct, weight = account_of(id)
@@ -232,7 +238,7 @@ local function unqueue(id)
   redis.call('ZREM', QUEUE, id)
   if redis.call('ZCARD', QUEUE) == 0 then
     redis.call('DEL', HELD)
-    redis.call('HSET', EP_LOAD, '~q', '0')
+    mark_waiting(false)
   end
   local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
   local acct, weight = account_of(id)
@@ -301,7 +307,7 @@ local function expire(now, waiting, ranks)
   if #gone > 0 and redis.call('ZCARD', QUEUE) > 0 then
     for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
   end
-  if #gone > 0 then redis.call('INCRBY', FREED, #gone) end
+  if #gone > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone) end
 end
 
 -- The waiter of the best tier that may take a slot now, or nil: in a `fair` tier the oldest
@@ -344,7 +350,7 @@ end
 local function lost(now, known, rebuild_ms, present)
   if present == nil then present = redis.call('HGET', EP_LOAD, '~s') ~= false end
   if present then return false end
-  redis.call('HSET', EP_LOAD, '~s', STEADY, '~q', '0')
+  redis.call('HSET', EP_LOAD, '~s', STEADY, '~f', '0')
   if tonumber(redis.call('GET', SEQ) or '0') < now then redis.call('SET', SEQ, now) end
   if known == '1' and tonumber(rebuild_ms) > 0 then open_window(rebuild_ms) end
   return true

@@ -14,10 +14,13 @@ for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   if ep ~= '' and drop_lease(id, ep) == 1 then freed[#freed + 1] = id else unsure[#unsure + 1] = id end
   if ACCOUNT then redis.call('ZREM', ACCOUNT, id) end
 end
--- (Text for the common one: a number costs a conversion.)
-if #freed > 0 then redis.call('INCRBY', FREED, #freed == 1 and '1' or #freed) end
--- Nobody waits: nothing to hand on, and expired leases wait for the sweep.
-if #unsure == 0 and redis.call('ZCARD', QUEUE) == 0 then return 0 end
+-- The frees counted, and whether anyone may wait, in one call (prelude: `~f`; text for the
+-- common one: a number costs a conversion). Nobody waits: nothing to hand on, and expired
+-- leases wait for the sweep.
+if #freed > 0 then
+  local marks = redis.call('HINCRBY', EP_LOAD, '~f', #freed == 1 and '2' or 2 * #freed)
+  if #unsure == 0 and marks % 2 == 0 then return 0 end
+end
 -- @rest
 local now = now_ms()
 local claim, ceilings, fair, spec, eps = parse_spec(words(ARGV[1]))
@@ -33,7 +36,7 @@ for _, id in ipairs(unsure) do
     unqueue(id)
   end
 end
-if found > 0 then redis.call('INCRBY', FREED, found) end
+if found > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * found) end
 if redis.call('ZCARD', QUEUE) == 0 then return 0 end
 -- The accounts that gave slots back have a better claim now (fair share).
 for _, id in ipairs(freed) do

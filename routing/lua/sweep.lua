@@ -22,8 +22,7 @@ local now = now_ms()
 local waiting = redis.call('ZCARD', QUEUE) > 0
 local claim, ceilings, fair, spec, eps = parse_spec(words(ARGV[3]))
 expire(now, waiting, #ceilings)
-local marks = redis.call('HMGET', EP_LOAD, '~s', '~q')  -- state; whether someone waits
-local marker = marks[1]
+local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local at = 4
 local tail = at + 2 * tonumber(ARGV[at]) + 1
@@ -74,11 +73,17 @@ local function queued(rank)
   if not waiting then return 0 end
   return redis.call('ZCOUNT', QUEUE, rank * RANK, '(' .. score((rank + 1) * RANK))
 end
--- The waiting flag the acquire's common case reads, set right (it is kept at each change
--- of the queue between empty and not; a sweep mends whatever slipped).
-local flag = redis.call('ZCARD', QUEUE) > 0 and '00' or '0'
-if marks[2] ~= flag then redis.call('HSET', EP_LOAD, '~q', flag) end
+-- The waiting bit the common cases read, set right (it is kept at each change of the
+-- queue between empty and not; a sweep mends whatever slipped).
+local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '-1')
+local on = redis.call('ZCARD', QUEUE) > 0
+if marks < 0 then
+  marks = on and 1 or 0
+  redis.call('HSET', EP_LOAD, '~f', marks)
+elseif (marks % 2 == 1) ~= on then
+  marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
+end
 local state = {redis.call('ZCARD', LEASES)}
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
-state[#state + 1] = tonumber(redis.call('GET', FREED) or '0')
+state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 return {state, restored, granted}

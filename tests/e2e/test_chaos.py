@@ -75,7 +75,7 @@ from tests.e2e.chaos_fleet import (
 from tests.e2e.chaos_traffic import Driver, Outcome
 from tests.e2e.conftest import digest
 from tests.e2e.starvation import Starvation, sample_until
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, endpoint_load
 
 SEED_ENV = "GATEWAY_CHAOS_SEED"
 MAX_REQUESTS = 2000
@@ -182,7 +182,7 @@ def leftovers(url: str) -> list[str]:
         ]
         if n := client.hlen(tag + "ep_of"):
             left.append(f"{tag}ep_of: {n}")
-        if load := sum(int(v) for v in client.hvals(tag + "ep_load")):
+        if load := endpoint_load(client.hgetall(tag + "ep_load")):
             left.append(f"{tag}ep_load sums to {load}")
         for key in client.scan_iter(match="gw:acct:*"):
             if n := client.zcard(key):

@@ -18,6 +18,7 @@ from routing.slots import account_key
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest
+from tests.redis_server import endpoint_load
 from tiers.usage import UsageRecord
 
 KEY = "sk-reload"
@@ -146,7 +147,7 @@ def leases_left(model: str) -> tuple[int, int, int, int]:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         tag = "gw:{" + model + "}:"
-        load = sum(int(v) for v in client.hvals(tag + "ep_load"))
+        load = endpoint_load(client.hgetall(tag + "ep_load"))
         account = client.zcard(account_key("reload"))
         return client.zcard(tag + "leases"), client.hlen(tag + "ep_of"), load, account
     finally:

@@ -28,7 +28,7 @@ import redis
 
 from tests.e2e import procs
 from tests.e2e.conftest import digest
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, endpoint_load
 
 KEY = "sk-workers"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -144,7 +144,7 @@ def left_in_redis(store: RedisServer) -> list[str]:
         found += [f"{tag}{k}" for k in ("leases", "queue", "qexp") if client.zcard(tag + k)]
         if client.hlen(tag + "ep_of"):
             found.append(f"{tag}ep_of")
-        if sum(int(v) for v in client.hvals(tag + "ep_load")):
+        if endpoint_load(client.hgetall(tag + "ep_load")):
             found.append(f"{tag}ep_load")
         found += [k.decode() for k in client.scan_iter(match="gw:acct:*") if client.zcard(k)]
     return found

@@ -29,7 +29,7 @@ from routing.store import MAX_CONNECTIONS, RedisPyStore, Store, connect, script_
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, endpoint_load
 from tiers.policy import Tier
 
 CONFIG = """
@@ -200,8 +200,7 @@ class Fleet:
         return int(await self.redis.zcard("gw:{" + model + "}:queue"))
 
     async def load(self, model: str) -> int:
-        values = await self.redis.hvals("gw:{" + model + "}:ep_load")
-        return sum(int(v) for v in values)
+        return endpoint_load(await self.redis.hgetall("gw:{" + model + "}:ep_load"))
 
     async def account(self, account: str = "t-acme") -> int:
         return int(await self.redis.zcard("gw:acct:{" + account + "}"))
