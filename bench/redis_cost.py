@@ -334,7 +334,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--admissions", type=int, default=20000, help="replays per round")
     parser.add_argument("--batch", type=int, default=100, help="replays per round trip")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; medians are reported")
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout, not the table")

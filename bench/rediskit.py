@@ -4,6 +4,7 @@ not start, which it must leave as it found it)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -109,6 +110,9 @@ def median(rows: list[dict[str, float]], key: str) -> float:
 
 
 def cost(lives: list[dict[str, float]], calls: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over the rounds. The ratios are each round's lives over the no-ops measured
+    right after them, then their median: paired, they leave out the machine's drift from
+    round to round (other jobs on a VM's cores), which the ratio of two medians keeps."""
     usec, cpu = median(lives, "usec"), median(lives, "cpu_usec")
     noop, noop_cpu = median(calls, "usec"), median(calls, "cpu_usec")
     return {
@@ -117,13 +121,18 @@ def cost(lives: list[dict[str, float]], calls: list[dict[str, float]]) -> dict[s
         "commands_in_redis_per_admission": round(median(lives, "commands_in_redis"), 2),
         "noop_evalsha_usec": round(noop, 3),
         "noop_evalsha_cpu_usec": round(noop_cpu, 3),
-        "ratio_to_noop": round(usec / noop, 1) if noop else None,
-        "cpu_ratio_to_noop": round(cpu / noop_cpu, 1) if noop_cpu else None,
+        "ratio_to_noop": _paired(lives, calls, "usec"),
+        "cpu_ratio_to_noop": _paired(lives, calls, "cpu_usec"),
         "target_ratio": TARGET_RATIO,
         "admissions_per_s_per_core": round(1e6 / usec) if usec else None,
         "admissions_per_s_per_core_cpu": round(1e6 / cpu) if cpu else None,
         "rounds": {"admission": lives, "noop": calls},
     }
+
+
+def _paired(lives: list[dict[str, float]], calls: list[dict[str, float]], key: str) -> float | None:
+    ratios = [life[key] / call[key] for life, call in zip(lives, calls, strict=True) if call[key]]
+    return round(statistics.median(ratios), 1) if ratios else None
 
 
 class SlowLog:
