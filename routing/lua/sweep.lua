@@ -84,6 +84,16 @@ elseif (marks % 2 == 1) ~= on then
   marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
 end
 local state = {redis.call('ZCARD', LEASES)}
+-- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
+-- lease an older release reclaimed without knowing its endpoint, during a rolling update).
+if state[1] == 0 then
+  local fields = redis.call('HGETALL', EP_LOAD)
+  for i = 1, #fields, 2 do
+    if string.sub(fields[i], 1, 1) ~= '~' and fields[i + 1] ~= '0' then
+      redis.call('HSET', EP_LOAD, fields[i], '0')
+    end
+  end
+end
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 return {state, restored, granted}

@@ -329,6 +329,38 @@ async def test_sweep_reclaims_expired_leases(real_redis: aioredis.Redis) -> None
     assert await real_redis.hlen(m.slots.keys[2]) == 0
 
 
+async def test_a_lease_of_an_older_release_is_reclaimed_with_its_endpoint_load(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A rolling update: a replica of the release before leases named their endpoint wrote
+    the lease as its id alone, its endpoint in `ep_of`; it dies. The sweep reclaims the
+    lease and takes its endpoint's load back, and leaves no `ep_of` entry."""
+    m = Model(real_redis, slots())
+    keys = m.slots.keys
+    await m.sweep()  # the model's state exists
+    await real_redis.zadd(keys[0], {"old-1": 1})  # expired long ago
+    await real_redis.hset(keys[2], "old-1", A)
+    await real_redis.hincrby(keys[3], A, 1)
+    await m.sweep()
+    assert await m.leases() == set()
+    assert await m.load() == {A: 0}
+    assert not await real_redis.exists(keys[2])
+
+
+async def test_an_idle_sweep_mends_endpoint_loads_nobody_holds(real_redis: aioredis.Redis) -> None:
+    """A load that could not be taken back (an older release reclaimed a lease without
+    knowing its endpoint) is set to 0 by the first sweep that finds no lease at all."""
+    m = Model(real_redis, slots())
+    await m.sweep()
+    await real_redis.hincrby(m.slots.keys[3], B, 3)
+    held = await m.acquire("l1")
+    await m.sweep()
+    assert (await m.load())[B] == 3 + (held.endpoint == B)  # leases held: left as it is
+    await m.release("l1")
+    await m.sweep()
+    assert await m.load() == {A: 0, B: 0}
+
+
 async def test_sweep_hands_reclaimed_slots_to_waiters_and_reports_queues(
     real_redis: aioredis.Redis,
 ) -> None:
