@@ -55,6 +55,10 @@ from routing.registry import Registry  # noqa: E402
 from routing.resp import RespClient  # noqa: E402
 
 NOOP = "return 0"
+# No-ops per life replayed in a round: a life costs Redis about 25 of them, so a round of
+# as many no-ops as lives lasted a twentieth as long, and a VM's scheduling noise moved
+# its CPU reading by up to a fifth; ten per life make it about as long as the lives'.
+NOOPS_PER_LIFE = 10
 # Requests holding slots of the model while the loaded rounds replay (of its 32).
 LOADED = 8
 # What a replay needs: the store, the captured batches, their lease id, the acquire's sha.
@@ -127,16 +131,17 @@ def one_admission(batches: list[list[Command]], delta: Delta) -> dict[str, Any]:
 async def rounds(
     info: aioredis.Redis, life: Life, noop_sha: str, n: int, batch: int, count: int
 ) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
-    """`count` rounds, each N lives then N no-ops: per admission, and per no-op call."""
+    """`count` rounds, each N lives then 10 N no-ops: per admission, and per no-op call."""
     lives, idle_calls = [], []
     sent = sent_counts(life[1], n, top_level=True)
     for r in range(count):
         delta = await measured(info, replay(life, n, batch, f"m{r}-"))
         lives.append({"usec": top_level_usec(delta, sent) / n, "cpu_usec": delta.cpu_s * 1e6 / n,
                       "commands_in_redis": delta.total_calls / n})  # fmt: skip
-        delta = await measured(info, noops(life[0], noop_sha, n, batch))
-        idle_calls.append({"usec": delta.usec.get("evalsha", 0) / n,
-                           "cpu_usec": delta.cpu_s * 1e6 / n})  # fmt: skip
+        calls = n * NOOPS_PER_LIFE
+        delta = await measured(info, noops(life[0], noop_sha, calls, batch))
+        idle_calls.append({"usec": delta.usec.get("evalsha", 0) / calls,
+                           "cpu_usec": delta.cpu_s * 1e6 / calls})  # fmt: skip
     return lives, idle_calls
 
 
