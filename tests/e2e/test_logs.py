@@ -97,8 +97,9 @@ def traffic(gateway: procs.Proc) -> None:
             extra_headers={"x-request-id": "log-test-chat"},
         )
         list(client.completions.create(model="m1", prompt=PROMPT, max_tokens=3, stream=True))
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY + "x", max_retries=0).models.list()
+    refusing = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY + "x", max_retries=0)
+    with refusing, pytest.raises(openai.AuthenticationError):
+        refusing.models.list()
     refused = httpx.post(
         gateway.url + "/v1/chat/completions",
         headers={"authorization": f"Bearer {KEY}"},

@@ -77,7 +77,8 @@ def test_the_documented_acl_is_all_the_gateway_needs(
         gateway = procs.gateway(tmp_path, config.read_text())
         try:
             client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
-            with ThreadPoolExecutor(REQUESTS) as pool:  # past capacity: some wait for a wake-up
+            # past capacity: some wait for a wake-up
+            with client, ThreadPoolExecutor(REQUESTS) as pool:
                 answers = list(pool.map(lambda i: ask(client, i), range(REQUESTS)))
             assert all(answers)
         finally:
