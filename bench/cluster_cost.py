@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from lives import Captured, config_text, one_life, recording, replay_lives
+from lives import Captured, config_text, one_life, per_second, recording, replay_lives
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 from rediskit import STREAM, TAG, Delta, Snapshot, median, sent_counts, top_level_usec
@@ -75,8 +75,11 @@ async def capture(
         plan = plan_candidates(model, None, fail_fast=False, registry=registry, allowed=None)
         for account in accounts:
             await one_life(admission, plan, account)
-            with recording(admission.store) as batches:
-                lease_id = await one_life(admission, plan, account)
+            for _ in range(3):  # a life of a second's first record is captured again
+                with recording(admission.store) as batches:
+                    lease_id = await one_life(admission, plan, account)
+                if not per_second(batches):
+                    break
             lives.append((batches, lease_id))
     return lives
 

@@ -70,6 +70,19 @@ async def one_life(admission: Admission, plan: Any, account: str = TAG) -> str:
     return admitted.lease.id
 
 
+def per_second(batches: list[list[Command]]) -> bool:
+    """Whether a captured life carries what a replica sends once a second, whatever its
+    traffic: the expiry of the second's set of record identities (routing/ledger.py
+    `FirstSends`). A busy replica sends it once in many lives, so a life that carries it
+    (the first of its second) is captured again: the next is in the same second."""
+    for batch in batches:
+        for command in batch:
+            inner = command if isinstance(command, Transaction) else [command]
+            if any(c[0] == "PEXPIREAT" for c in inner):
+                return True
+    return False
+
+
 def renamed(batches: list[list[Command]], lease_id: str, fresh: str) -> list[Command]:
     """The captured commands, flat, with `fresh` for the lease id wherever it appears (the
     scripts' arguments, the account entry, the record's attempt and its dedupe key)."""

@@ -192,6 +192,11 @@ class Cleanup:
         for pattern in ("gw:{" + TAG + "*", "gw:acct:{" + TAG + "}", "{usage}:rid:" + TAG + "*"):
             async for key in client.scan_iter(match=pattern, count=1000):
                 await client.delete(key)
+        # The identities of the records it wrote, in the sets of their seconds.
+        async for key in client.scan_iter(match="{usage}:rids:*", count=1000):
+            ours = [m async for m in client.sscan_iter(key, match=TAG + "*", count=1000)]
+            for start in range(0, len(ours), 1000):
+                await client.srem(key, *ours[start : start + 1000])
         if self.replicas:
             await client.zrem(REPLICAS_KEY, *self.replicas)
         if not self._stream_existed:

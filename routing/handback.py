@@ -17,7 +17,7 @@ from typing import Any
 
 from routing.estimate import RetryAfter
 from routing.holdings import Holdings, Lease
-from routing.ledger import DEFAULT_RETENTION_S, UsageSpool, first_record_call
+from routing.ledger import DEFAULT_RETENTION_S, FirstSends, UsageSpool
 from routing.recent import Recent
 from routing.resp import NotSent
 from routing.scripts import STORE_ERRORS, Scripts, first_error
@@ -45,6 +45,7 @@ class Handback:
         self.spool = spool
         # Records a master took, to send again if the store moves to another (Sentinel).
         self.recent = Recent() if store.moves is not None else None
+        self._first_sends = FirstSends()
         self._retry = retry
         # Calls on their way that close() waits for (releases, give-backs, late replies).
         self._pending: set[asyncio.Future[Any]] = set()
@@ -73,7 +74,7 @@ class Handback:
         calls = self._release_calls(lease)
         if usage is not None:
             retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
-            calls.append(first_record_call(usage, retention))
+            calls.append(self._first_sends.call(usage, retention))
         sent = self.scripts.send(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
@@ -96,6 +97,7 @@ class Handback:
                 self.store_errors.report(failed, "release")
         if usage is not None and (replies is None or isinstance(replies[-1], Exception)):
             self._spool(usage)  # e.g. Redis at maxmemory refuses records: they wait on disk
+            self._first_sends.forget()
             if replies is not None:
                 self.store_errors.report(replies[-1], "usage record")
         elif usage is not None and self.recent is not None:

@@ -1,7 +1,8 @@
 """Usage records on their way to the Redis stream `usage`, and a spool for when Redis is away.
 
-A record rides in the same round trip as its lease's release (`record_call`), and
-`usage.lua` appends it only once per identity, so resending is always safe. A record that
+A record rides in the same round trip as its lease's release (`FirstSends`), and a resend
+(`record_call`: `usage.lua`) appends it only if its identity was never recorded, so
+resending is always safe. A record that
 cannot reach Redis waits in this process's own spool file (routing/spoolfile.py), bounded
 in size; a record that cannot be kept is logged and counted, never dropped in silence.
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,6 +42,13 @@ DEFAULT_RETENTION_S = 35 * 86400.0
 # never longer than this: a resend comes from a spool, and no spool waits that long (the
 # dedupe keys would otherwise cost a quarter of the stream's memory again).
 DEDUPE_MAX_S = 7 * 86400
+# Where identities are remembered: a set per second of the records' time (ts), which goes
+# when its identities may be forgotten; and the key of each identity, as older releases
+# wrote them (resends still look there).
+DEDUPE = "{usage}:rids:"
+OLD_DEDUPE = "{usage}:rid:"
+# Sets whose expiry this process set lately (a record's second is nearly always the newest).
+STAMPS_KEPT = 8
 
 # Sends calls in one round trip; one reply per call, an error reply (e.g. OOM) as an
 # exception in its place; raises when Redis cannot be reached.
@@ -65,32 +75,75 @@ def record_call(fields: Mapping[str, str], retention_s: float) -> Call:
     """The script call appending `fields` unless they were appended before (a resend: the
     spool's, or the records a lost master took). Its identity is the request id, plus the
     admission attempt when known: callers may reuse an x-request-id, and two requests are
-    still two records."""
-    dedupe, remember_ms, flat = _record_parts(fields, retention_s)
-    return ("usage", [USAGE_STREAM, dedupe], [remember_ms, *flat])
+    still two records. A record first sent by an older release left its own key
+    (`{usage}:rid:<identity>`), looked at too."""
+    bucket, member, forget_at, flat = _record_parts(fields, retention_s)
+    return ("usage", [USAGE_STREAM, bucket, OLD_DEDUPE + member], [forget_at, member, *flat])
 
 
-def first_record_call(fields: Mapping[str, str], retention_s: float) -> Call:
-    """The first send of a record with an identity never sent before (the release's: its
-    attempt is the lease id): its dedupe key and the entry, all or none, in a transaction.
-    Half the Redis CPU of the script (whose redis.call converts each of the record's ~46
-    arguments anew); a resend goes through `record_call`, which checks the key first."""
-    dedupe, remember_ms, flat = _record_parts(fields, retention_s)
-    return (
-        TRANSACTION,
-        [],
-        [("SET", [dedupe], ["1", "PX", remember_ms]), ("XADD", [USAGE_STREAM], ["*", *flat])],
-    )
+class FirstSends:
+    """The first send of records never sent before (the release's: its attempt is the
+    lease id): each identity joins its second's set and the entry is appended, all or none,
+    in a transaction. The set's expiry is set by the first record of each second this
+    process sends (Redis lost a set whose expiry was set, a restart or a failover, only
+    with the connection: `forget`, and the record then resends through `record_call`,
+    which sets it again). A set member costs Redis about a third of a key with its own
+    expiry (docs/redis.md); a resend goes through `record_call`, which checks first."""
+
+    def __init__(self) -> None:
+        self._stamped: dict[str, None] = {}  # the latest sets given their expiry, oldest first
+
+    def call(self, fields: Mapping[str, str], retention_s: float) -> Call:
+        bucket, member, forget_at, flat = _record_parts(fields, retention_s)
+        commands: list[Call] = [("SADD", [bucket], [member])]
+        if bucket not in self._stamped:
+            commands.append(("PEXPIREAT", [bucket], [forget_at]))
+            self._stamped[bucket] = None
+            if len(self._stamped) > STAMPS_KEPT:
+                del self._stamped[next(iter(self._stamped))]
+        commands.append(("XADD", [USAGE_STREAM], ["*", *flat]))
+        return (TRANSACTION, [], commands)
+
+    def forget(self) -> None:
+        """A record did not reach Redis: its set's expiry is set again by the next one."""
+        self._stamped.clear()
 
 
-def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, int, list[str]]:
+def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, str, int, list[str]]:
+    """The set of the record's second, its identity, when the set goes (ms since the
+    epoch: the retention after the record's second, or after now for an older record, whose
+    resends the set must still catch), and the fields flat."""
     flat: list[str] = []
     for key, value in fields.items():
         flat += [key, value]
-    dedupe = "{usage}:rid:" + fields["request_id"]
+    bucket, member = identity(fields)
+    second = max(int(bucket[len(DEDUPE) :]), int(time.time()))
+    return bucket, member, second * 1000 + _remember_ms(retention_s), flat
+
+
+def identity(fields: Mapping[str, str]) -> tuple[str, str]:
+    """Where a record's identity is remembered (the set of its second), and the identity."""
+    member = fields["request_id"]
     if fields.get("attempt"):
-        dedupe += ":" + fields["attempt"]
-    return dedupe, max(1, int(min(retention_s, DEDUPE_MAX_S) * 1000)), flat
+        member += ":" + fields["attempt"]
+    return f"{DEDUPE}{_second_of(fields.get('ts', ''))}", member
+
+
+def _remember_ms(retention_s: float) -> int:
+    """How long identities are remembered: the retention, at most `DEDUPE_MAX_S`."""
+    return max(1, int(min(retention_s, DEDUPE_MAX_S) * 1000))
+
+
+def _second_of(ts: str) -> int:
+    """The whole second (since the epoch) of a record's time, ISO 8601; one the gateway did
+    not write (never seen) counts as now."""
+    try:
+        when = datetime.fromisoformat(ts)
+    except ValueError:
+        return int(time.time())
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp())
 
 
 def store_sender(scripts: Scripts, store: Store) -> Send:
@@ -132,16 +185,23 @@ class StreamStats:
 async def trim_stream(send: Send, retention_s: float) -> StreamStats:
     """Drop entries older than the retention (whole stream nodes, `~`: cheap, so an idle
     fleet trims too), then read the length and the age of the oldest entry left. The time
-    is Redis's, like the entry ids'."""
+    is Redis's, like the entry ids'. The identity sets of this second and the last one get
+    their expiry once more (`FirstSends`: a set Redis lost and a record made anew since)."""
     (clock,) = _raising(await send([("TIME", [], [])]))
     now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
     floor = max(0, now_ms - int(retention_s * 1000))
-    _, length, first = _raising(
+    remember_ms = _remember_ms(retention_s)
+    second = int(time.time())  # the gateway's clock, which names the sets (a record's ts)
+    _, length, first, *_ = _raising(
         await send(
             [
                 ("XTRIM", [USAGE_STREAM], ["MINID", "~", floor]),
                 ("XLEN", [USAGE_STREAM], []),
                 ("XRANGE", [USAGE_STREAM], ["-", "+", "COUNT", 1]),
+                *(
+                    ("PEXPIREAT", [f"{DEDUPE}{s}"], [s * 1000 + remember_ms])
+                    for s in (second - 1, second)
+                ),
             ]
         )
     )

@@ -98,5 +98,5 @@ async def usage_redis(real_redis: aioredis.Redis) -> AsyncIterator[aioredis.Redi
 
 
 async def _forget_usage(client: aioredis.Redis) -> None:
-    keys = [k async for k in client.scan_iter(match="{usage}:rid:*", count=1000)]
+    keys = [k async for k in client.scan_iter(match="{usage}:rid*", count=1000)]
     await client.delete("usage", *keys)

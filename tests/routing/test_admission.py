@@ -20,7 +20,7 @@ from routing.admission import Admission, Admitted, Lease
 from routing.affinity import rendezvous
 from routing.errors import Limited, Unavailable
 from routing.keeper import Keeper
-from routing.ledger import UsageSettings, UsageSpool
+from routing.ledger import UsageSettings, UsageSpool, identity
 from routing.plan import Candidate, plan_candidates
 from routing.registry import Model, Registry
 from routing.resp import RespClient
@@ -558,7 +558,8 @@ async def test_release_writes_the_usage_record_once(fleet: Fleet, tmp_path: Path
     spool = UsageSpool(UsageSettings(spool_dir=str(tmp_path)), REDIS_URL)
     adm = await fleet.admission(spool=spool)
     lease = (await admit(adm, fleet.plan("two"))).lease
-    await bounded(adm.release(lease, usage_record(request_id="t-usage").to_fields()))
+    record = usage_record(request_id="t-usage")
+    await bounded(adm.release(lease, record.to_fields()))
     attempt = lease.id.encode()
     ours = [(i, f) for i, f in await fleet.redis.xrange("usage") if f[b"attempt"] == attempt]
     try:
@@ -567,7 +568,8 @@ async def test_release_writes_the_usage_record_once(fleet: Fleet, tmp_path: Path
         await fleet.assert_clean()
     finally:  # the run's Redis is shared: its stream keeps no record of this test
         await fleet.redis.xdel("usage", *[i for i, _ in ours])
-        await fleet.redis.delete("{usage}:rid:t-usage:" + lease.id)
+        fields = {"request_id": "t-usage", "attempt": lease.id, "ts": record.ts}
+        await fleet.redis.srem(*identity(fields))
 
 
 @ON_CLUSTER_TOO

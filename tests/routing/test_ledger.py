@@ -19,10 +19,11 @@ from routing.admission import STORE_ERRORS, Admission, Lease
 from routing.ledger import (
     DEDUPE_MAX_S,
     USAGE_STREAM,
+    FirstSends,
     StreamStats,
     UsageSettings,
     UsageSpool,
-    first_record_call,
+    identity,
     record_call,
     store_sender,
     trim_stream,
@@ -132,38 +133,77 @@ async def node_per_entry(tmp_path: Path) -> AsyncIterator[aioredis.Redis]:
 # --- record_call and usage.lua ----------------------------------------------------------------
 
 
+NOW_TS = "2026-11-30T12:00:01.250+00:00"  # a record's time (its second: NOW_S)
+NOW_S = 1796040001
+
+
+def first_record_call(fields: dict[str, str], retention_s: float) -> Any:
+    """A release's first send of `fields`, by a process that never sent a record before."""
+    return FirstSends().call(fields, retention_s)
+
+
 def test_record_call_shape() -> None:
-    flat = {"request_id": "r-9", "account": "a", "user": ""}
+    flat = {"request_id": "r-9", "ts": NOW_TS, "account": "a"}
     name, keys, args = record_call(flat, 35 * DAY_S)
     assert name == "usage"
-    assert list(keys) == ["usage", "{usage}:rid:r-9"]
-    remember_ms, *pairs = args
-    assert remember_ms == DEDUPE_MAX_S * 1000
-    assert pairs == ["request_id", "r-9", "account", "a", "user", ""]
-    # The first send: the same key and entry, all or none.
-    name, keys, (set_dedupe, xadd) = first_record_call({**flat, "attempt": "l-1"}, 35 * DAY_S)
+    bucket = f"{{usage}}:rids:{NOW_S}"
+    assert list(keys) == ["usage", bucket, "{usage}:rid:r-9"]
+    forget_at, member, *pairs = args
+    assert member == "r-9"
+    assert forget_at >= NOW_S * 1000 + DEDUPE_MAX_S * 1000
+    assert pairs == ["request_id", "r-9", "ts", NOW_TS, "account", "a"]
+    # The first send: the identity in its second's set and the entry, all or none; the
+    # set's expiry only with the process's first record of that second.
+    first = FirstSends()
+    name, keys, (add, expire, xadd) = first.call({**flat, "attempt": "l-1"}, 35 * DAY_S)
     assert (name, list(keys)) == ("MULTI", [])
-    assert set_dedupe == ("SET", ["{usage}:rid:r-9:l-1"], ["1", "PX", DEDUPE_MAX_S * 1000])
+    assert add == ("SADD", [bucket], ["r-9:l-1"])
+    assert expire[:2] == ("PEXPIREAT", [bucket]) and expire[2][0] >= forget_at
     assert xadd[:2] == ("XADD", ["usage"])
+    _, _, (add, xadd) = first.call({**flat, "attempt": "l-2"}, 35 * DAY_S)
+    assert add == ("SADD", [bucket], ["r-9:l-2"]) and xadd[0] == "XADD"
+    first.forget()  # a record did not reach Redis: the next one sets the expiry again
+    _, _, commands = first.call({**flat, "attempt": "l-3"}, 35 * DAY_S)
+    assert [c[0] for c in commands] == ["SADD", "PEXPIREAT", "XADD"]
 
 
-def test_ids_are_remembered_no_longer_than_the_retention() -> None:
-    _, _, short = record_call(usage_fields(), 2.5)
-    assert short[0] == 2500
-    _, _, long = record_call(usage_fields(), 35 * DAY_S)
-    assert long[0] == DEDUPE_MAX_S * 1000
-    _, _, (set_dedupe, _) = first_record_call(usage_fields(), 2.5)
-    assert list(set_dedupe[2]) == ["1", "PX", 2500]
+def test_ids_are_remembered_no_longer_than_the_retention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("routing.ledger.time.time", lambda: NOW_S + 0.5)
+    fields = usage_fields(ts=NOW_TS)
+    _, _, short = record_call(fields, 2.5)
+    assert short[0] == NOW_S * 1000 + 2500
+    _, _, long = record_call(fields, 35 * DAY_S)
+    assert long[0] == (NOW_S + DEDUPE_MAX_S) * 1000
+    _, _, (_, expire, _) = first_record_call(fields, 2.5)
+    assert list(expire[2]) == [NOW_S * 1000 + 2500]
+    # A record older than that (a long outage's spool) is remembered that long from now.
+    monkeypatch.setattr("routing.ledger.time.time", lambda: NOW_S + 3 * DAY_S)
+    _, _, late = record_call(fields, DAY_S)
+    assert late[0] == (NOW_S + 4 * DAY_S) * 1000
+
+
+def test_the_identity_is_the_request_id_and_attempt_in_the_set_of_its_second() -> None:
+    assert identity({"request_id": "r", "ts": NOW_TS}) == (f"{{usage}}:rids:{NOW_S}", "r")
+    fields = {"request_id": "r", "ts": "2026-11-30T12:00:01", "attempt": "a"}  # UTC
+    assert identity(fields) == (f"{{usage}}:rids:{NOW_S}", "r:a")
 
 
 def test_record_call_carries_every_field() -> None:
     flat = usage_fields()
     _, _, args = record_call(flat, DAY_S)
-    pairs = list(args)[1:]
+    pairs = list(args)[2:]
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == flat
-    _, _, (_, (_, _, xadd)) = first_record_call(flat, DAY_S)
+    _, _, (_, _, (_, _, xadd)) = first_record_call(flat, DAY_S)
     pairs = list(xadd)[1:]
     assert dict(zip(pairs[::2], pairs[1::2], strict=True)) == flat
+
+
+async def remembered_ms(client: aioredis.Redis, fields: dict[str, str]) -> int:
+    """How long Redis remembers a recorded identity (ms); -2 when it does not."""
+    bucket, member = identity(fields)
+    if not await client.sismember(bucket, member):
+        return -2
+    return int(await client.pttl(bucket))
 
 
 async def test_usage_script_appends_once_per_request_id(usage_redis: aioredis.Redis) -> None:
@@ -174,8 +214,20 @@ async def test_usage_script_appends_once_per_request_id(usage_redis: aioredis.Re
     assert await bounded(scripts.send(store, [call])) == [1]
     assert await bounded(scripts.send(store, [call])) == [0]
     assert await entries(usage_redis) == [flat]
-    ttl = await usage_redis.ttl("{usage}:rid:" + flat["request_id"])
-    assert DEDUPE_MAX_S - 60 < ttl <= DEDUPE_MAX_S
+    assert await remembered_ms(usage_redis, flat) > (DEDUPE_MAX_S - 60) * 1000
+    assert await remembered_ms(usage_redis, flat) <= DEDUPE_MAX_S * 1000
+
+
+async def test_a_record_an_older_release_sent_first_is_not_appended_again(
+    usage_redis: aioredis.Redis,
+) -> None:
+    """Releases before the identity sets wrote a key per identity: a spool they left
+    (adopted by this release, or kept by an upgraded pod) finds it."""
+    flat = {**usage_fields(), "attempt": "lease-old"}
+    await usage_redis.set("{usage}:rid:" + flat["request_id"] + ":lease-old", "1", px=60_000)
+    store = RedisPyStore(usage_redis, 2.0)
+    assert await bounded(Scripts().send(store, [record_call(flat, DAY_S)])) == [0]
+    assert await entries(usage_redis) == []
 
 
 async def test_usage_script_appends_distinct_request_ids(usage_redis: aioredis.Redis) -> None:
@@ -200,34 +252,33 @@ async def test_a_first_send_and_its_resends_make_one_entry(
     usage_redis: aioredis.Redis, lean: bool
 ) -> None:
     """The release sends a record once, as a transaction; the spool's resends (its reply was
-    lost) and a lost master's records go through the script, which finds the dedupe key."""
+    lost) and a lost master's records go through the script, which finds the identity."""
     scripts = Scripts()
     store = lean_store() if lean else RedisPyStore(usage_redis, 2.0)
     flat = {**usage_fields(), "attempt": "lease-1"}
     try:
         (first,) = await bounded(scripts.send(store, [first_record_call(flat, 35 * DAY_S)]))
-        assert first[0] in (b"OK", "OK", True) and first[1]  # EXEC's replies: SET, XADD's id
+        assert first[0] == 1 and first[2]  # EXEC's replies: SADD, PEXPIREAT, XADD's id
         assert await bounded(scripts.send(store, [record_call(flat, 35 * DAY_S)])) == [0]
         assert await entries(usage_redis) == [flat]
-        ttl = await usage_redis.ttl("{usage}:rid:" + flat["request_id"] + ":lease-1")
-        assert DEDUPE_MAX_S - 60 < ttl <= DEDUPE_MAX_S
+        assert await remembered_ms(usage_redis, flat) > (DEDUPE_MAX_S - 60) * 1000
     finally:
         await store.aclose()
 
 
 async def test_a_refused_first_send_writes_nothing(usage_redis: aioredis.Redis) -> None:
     """A command Redis refuses while queuing the transaction (OOM at maxmemory, MOVED; here a
-    wrong argument count) aborts it whole: no dedupe key is left to hide the record from its
+    wrong argument count) aborts it whole: no identity is left to hide the record from its
     resend, and the connection stays in step for the calls after it."""
     scripts, store = Scripts(), lean_store()
     flat = usage_fields()
-    _, _, (set_dedupe, _) = first_record_call(flat, DAY_S)
-    broken = ("MULTI", [], [set_dedupe, ("XADD", [USAGE_STREAM], [])])
+    _, _, (add, expire, _) = first_record_call(flat, DAY_S)
+    broken = ("MULTI", [], [add, expire, ("XADD", [USAGE_STREAM], [])])
     try:
         reply, pong = await bounded(scripts.send(store, [broken, ("PING", [], [])]))
         assert pong in (b"PONG", "PONG")
         assert isinstance(reply, ResponseError) and "xadd" in str(reply).lower()
-        assert await usage_redis.exists(set_dedupe[1][0]) == 0
+        assert await remembered_ms(usage_redis, flat) == -2
         assert await bounded(scripts.send(store, [record_call(flat, DAY_S)])) == [1]
     finally:
         await store.aclose()
@@ -331,7 +382,7 @@ async def test_records_wait_in_the_spool_while_redis_is_full(tmp_path: Path) -> 
         assert await bounded(spool.flush(send)) == 0
         assert await bounded(spool.flush(send)) == 0
         assert spooled(spool) == [flat]
-        assert await client.exists("{usage}:rid:" + flat["request_id"]) == 0
+        assert await client.exists(identity(flat)[0]) == 0
         # The round still trims and measures at maxmemory (XTRIM frees, it is not refused).
         await bounded(spool.tend(send))
         assert spool.stream is not None and spool.stream.length == 0

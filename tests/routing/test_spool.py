@@ -75,7 +75,7 @@ class Recorder:
 
 
 def _rid(args: Sequence[Any]) -> str:
-    pairs = list(args)[1:]
+    pairs = list(args)[2:]
     return str(dict(zip(pairs[::2], pairs[1::2], strict=True))["request_id"])
 
 
