@@ -17,6 +17,8 @@ from tiers.policy import BY_RANK, Tier
 GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL = 1, 2, 0, -1, -2
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
 RANK = 10**15
+# A tier's ceiling that does not bind (as in prelude.lua).
+UNBOUND = "-"
 
 
 def make_lease_id(prefix: str, weight: float, account: str) -> str:
@@ -136,6 +138,8 @@ class ModelSlots:
         # Whether this replica has seen the model's state in Redis (a sweep answered): if it
         # is gone later, Redis lost it (routing/lua/prelude.lua, `lost`).
         self.known = False
+        # The model's endpoints as configured (None: not told); see `_ceiling`.
+        self.configured: frozenset[str] | None = None
         self._spec: dict[str, tuple[int, float]] = {}
         self.urls: list[str] = []
         self.configure(utilization, max_queue, fair)
@@ -154,8 +158,10 @@ class ModelSlots:
         """The endpoints in rotation: (url, max_concurrency, load penalty)."""
         self.capacity = sum(size for _, size, _ in endpoints)
         self.urls = [url for url, _, _ in endpoints]
-        self._ceilings = [len(BY_RANK), *(self.capacity * u for u in self._utilization)]
         self._spec = {url: (size, penalty) for url, size, penalty in endpoints}
+        # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
+        # size, so the scripts leave it unchecked (one call less per acquire).
+        self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
         self._endpoints = self._args(self.urls)
         # Ties in load go to the first endpoint listed: acquires take turns at the order.
         self._rotations = [self._args(self.urls[i:] + self.urls[:i]) for i in range(len(self.urls))]
@@ -166,6 +172,15 @@ class ModelSlots:
         self._pump_spec = " ".join(
             map(str, [self._timing.claim_ms, *self._ceilings, self._fair, *self._endpoints])
         )
+
+    def _ceiling(self, utilization: float) -> float | str:
+        """A tier's ceiling; `UNBOUND` when it is the endpoints' sum and every endpoint of
+        the model is in rotation. Then no lease can run where `pick` does not hold each
+        endpoint to its size. While an endpoint is out, its leases still count: the
+        requests moved off it (`move`) need the room."""
+        ceiling = self.capacity * utilization
+        whole = self.configured is not None and self.configured <= self._spec.keys()
+        return UNBOUND if whole and ceiling >= self.capacity else ceiling
 
     def _args(self, urls: Sequence[str]) -> list[Any]:
         args: list[Any] = [len(urls)]

@@ -1,7 +1,8 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- KEYS: 1 the model's leases (prelude), 2 on one Redis the account's key (see below).
--- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling, 5 mode ('least'|'first'),
---       6.. endpoints (n, then url, max, penalty triples, in the order `pick` tries them),
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 mode
+--       ('least'|'first'), 6.. endpoints (n, then url, max, penalty triples, in the order
+--       `pick` tries them),
 --       then in one argument "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" and
 --       the spec (prelude: `parse_spec`) (known: this replica has seen the model's state
 --       before, 0|1; see `lost`); with ACCOUNT, then the account's limit. The id carries its
@@ -34,7 +35,7 @@ end
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
 local loads = loads_of(ARGV, 6, n)
 if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
-    and redis.call('ZCARD', LEASES) < tonumber(ARGV[4]) then
+    and (ARGV[4] == UNBOUND or redis.call('ZCARD', LEASES) < tonumber(ARGV[4])) then
   local ep = pick(ARGV, 6, ARGV[5], loads, n)
   if ep then
     grant(id, ep, expiry)

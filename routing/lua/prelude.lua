@@ -34,6 +34,9 @@ local QEXP = BASE .. 'qexp'
 local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
 -- The state marker's value when no rebuild window can be open: the common case's test.
 local STEADY = '0'
+-- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
+-- not checked (routing/slots.py `UNBOUND`).
+local UNBOUND = '-'
 local RANK = 1e15
 
 -- @fn now_ms
@@ -410,7 +413,7 @@ local function parse_spec(t, at)
   local n = tonumber(t[a + 2])
   local ceilings, fair = {}, {}
   for i = 1, n do
-    ceilings[i] = tonumber(t[a + 2 + i])
+    ceilings[i] = tonumber(t[a + 2 + i]) or math.huge  -- UNBOUND
     fair[i] = string.sub(t[a + 3 + n], i, i) == 'a'
   end
   return tonumber(t[a + 1]), ceilings, fair, t, a + 4 + n

@@ -19,6 +19,7 @@ from routing.slots import (
     GRANTED,
     QUEUED,
     RANK,
+    UNBOUND,
     Attempt,
     ModelSlots,
     Sweep,
@@ -46,6 +47,7 @@ def slots(
 ) -> ModelSlots:
     utilization = {Tier.PRIORITY: priority, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
     made = ModelSlots(model, utilization, max_queue, TIMING)
+    made.configured = frozenset(url for url, _ in endpoints)  # all in rotation, as at start
     made.set_endpoints([(url, size, 0.0) for url, size in endpoints])
     return made
 
@@ -190,6 +192,28 @@ async def test_flex_only_takes_spare_capacity(real_redis: aioredis.Redis) -> Non
     assert (fifth.status, fifth.inflight) == (BUSY, 4)
     assert (await m.acquire("d", Tier.DEFAULT)).status == GRANTED
     assert (await m.acquire("p", Tier.PRIORITY)).status == BUSY
+
+
+async def test_a_ceiling_at_the_endpoints_sum_is_left_to_them(real_redis: aioredis.Redis) -> None:
+    """Leases on an endpoint this replica does not know (another replica's config, during a
+    reload) do not hold up its own endpoints; a ceiling below their sum (flex) counts every
+    lease; and while one of its endpoints is out of rotation, the leases still on it count
+    (a request moved off it needs the room)."""
+    C = "http://c:8000"
+    other = Model(real_redis, slots([(A, 1), (B, 1), (C, 2)]))
+    assert [(await other.acquire(f"o{i}", affinity=[C])).endpoint for i in range(2)] == [C, C]
+    m = Model(real_redis, slots())
+    assert m.slots.acquire("x", Tier.DEFAULT, may_wait=False)[2][3] == UNBOUND
+    assert (await m.acquire("f", Tier.FLEX)).status == BUSY  # 2 leases, ceiling 1.6
+    held = (await m.acquire("d", Tier.DEFAULT)).endpoint
+    assert held in (A, B)
+    await other.release("o0", "o1")
+    # Its endpoint out of rotation here, still holding it: the ceiling (1) binds again,
+    # though the endpoint left has room.
+    m.slots.set_endpoints([(e, 1, 0.0) for e in (A, B) if e != held])
+    assert m.slots.acquire("x", Tier.DEFAULT, may_wait=False)[2][3] == 1.0
+    assert (await m.acquire("d2", Tier.DEFAULT)).status == BUSY
+    await m.release("d")
 
 
 async def test_least_loaded_endpoint_relative_to_size(real_redis: aioredis.Redis) -> None:
