@@ -165,7 +165,7 @@ class Admission:
                 continue
             deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
             result = await self.acquire.past_rebuild(walk, cand, tier, deadline)
-            endpoint = await self._settle(walk, cand, tier, result)
+            endpoint = await self._settle(walk, cand, tier, result, deadline)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
                 lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued_ms)
@@ -177,14 +177,17 @@ class Admission:
         assert last is not None
         raise last
 
-    async def _settle(self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt) -> str | None:
-        """The granted endpoint (at once, or after waiting in the queue), or None."""
+    async def _settle(
+        self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt, deadline: float
+    ) -> str | None:
+        """The granted endpoint (at once, or after waiting in the queue until `deadline`,
+        the end of its queue timeout: a wait for a rebuild window came out of it), or None."""
         if result.status != QUEUED:
             self.waiting.not_queued(walk.lease_id)
             return result.endpoint if result.status == GRANTED else None
         timeout = self._tiers.policy(tier).queue_timeout_s
         place = tier.rank * RANK + result.place
-        outcome = await self.waiting.wait(walk.lease_id, place, timeout)
+        outcome = await self.waiting.wait(walk.lease_id, place, max(0.0, deadline - self._clock()))
         if isinstance(outcome, str):
             return outcome
         model = cand.model.name  # timed out: its Retry-After from its turn if it came again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -1074,6 +1075,45 @@ async def test_calls_that_never_left_leave_nothing_in_doubt(fleet: Fleet) -> Non
         with pytest.raises(Unavailable):
             await admit(adm, fleet.plan("two"))
     assert adm.holdings.orphans == {}
+
+
+async def test_a_wait_for_the_rebuild_window_comes_out_of_the_queue_timeout(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Redis lost the model's state while this replica held both slots: its sweep writes
+    them back and opens the rebuild window. A request that may wait waits the window out,
+    then finds the model full and queues, for what is left of its queue timeout only: its
+    answer never comes later than the timeout after it arrived (plus a Redis call)."""
+    longer = "default: {queue_timeout_s: 1.0}"  # the window (made 0.3 s), then the queue
+    config = parse_config(CONFIG.replace("default: {queue_timeout_s: 0.5}", longer), "t")
+    fleet = Fleet(config, Registry(config.models), real_redis)
+    timeout_s = config.tiers.policy(Tier.DEFAULT).queue_timeout_s
+    try:
+        adm = await fleet.admission()
+        keeper = await fleet.keeper(adm, listen=False)
+        held = await fill(fleet, adm, "two", 2)
+        await bounded(keeper.sweep_once())  # the replica now knows the model's state
+        await real_redis.flushdb()
+        await bounded(keeper.sweep_once())  # writes back its two leases, opens the window
+        assert await real_redis.pexpire("gw:{two}:rebuild", 300)  # shorter, for the test
+        waits: list[tuple[float, float]] = []
+        wait = adm.waiting.wait
+
+        async def spied(lease_id: str, place: int, timeout_s: float) -> str | int:
+            waits.append((time.monotonic(), timeout_s))
+            return await wait(lease_id, place, timeout_s)
+
+        adm.waiting.wait = spied  # type: ignore[method-assign]
+        arrived = time.monotonic()
+        await expect_limited(adm.admit(fleet.plan("two"), "t-acme", 5), "queue_timeout")
+        [(queued, left)] = waits
+        assert queued - arrived > 0.1  # it waited the window out first
+        assert queued - arrived + left <= timeout_s + 0.05
+        for lease in held:
+            await bounded(adm.release(lease))
+        await fleet.assert_clean()
+    finally:
+        await fleet.close()
 
 
 async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuild(
