@@ -13,6 +13,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.protocol import GatewayProtocol
+from gateway.workers import start_heartbeat
 
 try:  # uvloop is not on every platform; httptools is
     import uvloop  # noqa: F401
@@ -49,6 +50,10 @@ class _DrainingServer(uvicorn.Server):
         if self._on_stop is not None:
             self._on_stop()
         super().handle_exit(sig, frame)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        start_heartbeat()  # a worker of `serve --workers` tells its parent its loop runs
+        await super().serve(sockets)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -18,16 +18,23 @@ holds no connection; it only waits on its workers:
 - SIGTERM or SIGINT: every worker gets SIGTERM and drains; the parent exits 0 once all
   ended with 0 (else 1). A second signal gives them SIGINT: stop waiting for connections;
 - SIGHUP goes to every worker (each checks its config file, gateway/reload.py);
+- a worker whose event loop stops turning (stopped, deadlocked, stuck in a call that never
+  returns) is killed after HANG_S and forked again: the kernel would keep handing it its
+  share of new connections, which would wait for ever. Each worker's loop writes a byte to
+  a pipe of its own every BEAT_S; the parent waits on those pipes (a worker's end closes
+  when it dies, which wakes the parent at once);
 - metrics: every worker writes into one private directory (gateway/metrics.py), removed
   when the serve ends; a dead worker's live gauges are dropped, its counts stay.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -35,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
 
@@ -49,8 +57,25 @@ HANDLED = {*STOP_SIGNALS, signal.SIGHUP}
 RESTART_PAUSE_S = 1.0
 QUICK_S = 10.0
 QUICK_DEATHS = 3
+# A worker's loop beats every BEAT_S; one silent for HANG_S (from its fork until its first
+# beat: START_S, as its imports and app take a while) is stuck. GATEWAY_WORKER_HANG_S
+# sets HANG_S (seconds; the tests make it short).
+HANG_S = float(os.environ.get("GATEWAY_WORKER_HANG_S") or 10.0)
+BEAT_S = min(1.0, HANG_S / 4)
+START_S = max(30.0, HANG_S)
+_beat_fd: int | None = None  # in a worker: the write end of its heartbeat pipe
 _PR_SET_PDEATHSIG = 1
 _Mask = set[int | signal.Signals]  # a signal mask, as pthread_sigmask gives it
+
+
+@dataclass
+class _Child:
+    index: int
+    started: float
+    beats: int  # the read end of its heartbeat pipe
+    heard: float  # when it last beat (its fork, before the first)
+    beating: bool = False
+    killed: bool = False  # as stuck, once
 
 
 class Workers:
@@ -59,7 +84,7 @@ class Workers:
     def __init__(self, count: int, serve_one: Callable[[], None]) -> None:
         self._count = count
         self._serve_one = serve_one
-        self._children: dict[int, tuple[int, float]] = {}  # pid -> (index, started)
+        self._children: dict[int, _Child] = {}
         self._stopping = False
         self._failed = False
         self._quick_deaths = 0
@@ -88,18 +113,27 @@ class Workers:
         # Signals wait until the pid is known: a stop signal then reaches this worker too.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
         parent = os.getpid()
+        beats, beat = os.pipe()
         try:
             pid = os.fork()
             if pid == 0:
-                self._child(holder, mask, parent)
-            self._children[pid] = (index, time.monotonic())
+                os.close(beats)
+                self._child(holder, mask, parent, beat)
+            now = time.monotonic()
+            self._children[pid] = _Child(index, now, beats, now)
         finally:
+            os.close(beat)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
-    def _child(self, holder: socket.socket, mask: _Mask, parent: int) -> NoReturn:
+    def _child(self, holder: socket.socket, mask: _Mask, parent: int, beat: int) -> NoReturn:
+        global _beat_fd
         code = 1
         try:
             holder.close()
+            for other in self._children.values():  # the other workers' pipes are not its
+                os.close(other.beats)
+            os.set_blocking(beat, False)
+            _beat_fd = beat
             for sig in STOP_SIGNALS:  # until the server takes them: nothing to drain yet
                 signal.signal(sig, _exit_at_once)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the config watcher takes it
@@ -119,23 +153,49 @@ class Workers:
 
     def _supervise(self, holder: socket.socket) -> None:
         while self._children:
-            try:
-                pid, status = os.wait()
-            except ChildProcessError:
-                return
-            if (child := self._children.pop(pid, None)) is None:
-                continue
-            mark_process_dead(pid, self._metrics_dir)  # type: ignore[no-untyped-call]
-            code = os.waitstatus_to_exitcode(status)
-            if self._stopping:
-                if code != 0:
-                    log.error("worker %d %s while draining", pid, _ended(code))
-                    self._failed = True
-                continue
-            self._died(child, pid, code, holder)
+            self._listen()
+            while self._children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return
+                if pid == 0:
+                    break
+                if (child := self._children.pop(pid, None)) is not None:
+                    self._reaped(child, pid, status, holder)
 
-    def _died(self, child: tuple[int, float], pid: int, code: int, holder: socket.socket) -> None:
-        index, started = child
+    def _listen(self) -> None:
+        """Wait up to a beat for the workers' heartbeats (a dead worker's pipe wakes it at
+        once); kill a worker silent for too long."""
+        by_fd = {child.beats: child for child in self._children.values()}
+        ready, _, _ = select.select(list(by_fd), [], [], BEAT_S)
+        now = time.monotonic()
+        for fd in ready:
+            with contextlib.suppress(OSError):
+                if os.read(fd, 4096):
+                    by_fd[fd].heard, by_fd[fd].beating = now, True
+        for pid, child in self._children.items():
+            silent = now - child.heard
+            if child.killed or silent < (HANG_S if child.beating else START_S):
+                continue
+            log.error("worker %d has not run its event loop for %.0f s: killing it", pid, silent)
+            child.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _reaped(self, child: _Child, pid: int, status: int, holder: socket.socket) -> None:
+        os.close(child.beats)
+        mark_process_dead(pid, self._metrics_dir)  # type: ignore[no-untyped-call]
+        code = os.waitstatus_to_exitcode(status)
+        if self._stopping:
+            if code != 0:
+                log.error("worker %d %s while draining", pid, _ended(code))
+                self._failed = True
+            return
+        self._died(child, pid, code, holder)
+
+    def _died(self, child: _Child, pid: int, code: int, holder: socket.socket) -> None:
+        index, started = child.index, child.started
         quick = time.monotonic() - started < QUICK_S
         self._quick_deaths = self._quick_deaths + 1 if quick else 0
         if self._quick_deaths >= QUICK_DEATHS:
@@ -164,6 +224,26 @@ class Workers:
         for pid in list(self._children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
+
+
+def start_heartbeat() -> None:
+    """In a worker, as its event loop starts (gateway/server.py): beat every BEAT_S from
+    the loop, so that the beats stop when the loop does. Elsewhere, nothing."""
+    fd = _beat_fd
+    if fd is None:
+        return
+    loop = asyncio.get_running_loop()
+
+    def beat() -> None:
+        try:
+            os.write(fd, b".")
+        except BlockingIOError:
+            pass  # the pipe is full: the parent reads behind, and knows the worker lives
+        except OSError:
+            return  # the parent is gone
+        loop.call_later(BEAT_S, beat)
+
+    beat()
 
 
 def _exit_at_once(sig: int, frame: FrameType | None) -> None:

@@ -11,6 +11,7 @@ kernel spreads connections, not requests, over the workers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -262,3 +263,41 @@ def test_what_a_killed_worker_spooled_reaches_redis_once(
     assert not list(spool_dir.glob(f"gateway-usage-*-{victim}-*"))  # adopted, then removed
     assert serve.stop(signal.SIGTERM) == 0
     assert outage_records() == Counter(outage)
+
+
+def test_a_stuck_worker_is_killed_and_started_again(
+    sim: procs.Proc, store: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped (SIGSTOP: its loop no longer turns) would keep its share of new
+    connections waiting for ever: its parent kills it once its heartbeats have been missing
+    for the hang limit, and starts another; requests are served by two live workers again."""
+    monkeypatch.setenv("GATEWAY_WORKER_HANG_S", "2")
+    text = config(sim, store.url, tmp_path / "spool")
+    gateway = procs.gateway(
+        tmp_path, text, "--workers", "2", "--access-log", "--log-format", "json"
+    )
+    victim = 0
+    try:
+        rids = warm_up(gateway, "stuck-warm")
+        victim = wait_for_log(gateway, rids)[rids[-1]]
+        deadline = time.monotonic() + 20
+        while recorded(store) != Counter(rids):  # its records are in before it stops
+            assert time.monotonic() < deadline, f"records: {recorded(store)}"
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while f"worker {victim} was killed by signal {int(signal.SIGKILL)}" not in (
+            log := gateway.log.read_text()
+        ):
+            assert time.monotonic() < deadline, "the parent never killed its stuck worker"
+            time.sleep(0.05)
+        assert f"worker {victim} has not run its event loop" in log
+        more = warm_up(gateway, "stuck-after")
+        assert victim not in wait_for_log(gateway, more).values()
+        assert gateway.stop() == 0
+        assert recorded(store) == Counter(rids + more)
+    finally:
+        if victim:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)  # stopped and never killed: not left behind
+        gateway.stop()
