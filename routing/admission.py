@@ -225,8 +225,9 @@ class Admission:
             declare_all=not self.store.one_node,
         )  # fmt: skip
         # Every endpoint is in rotation until health checks say otherwise.
-        slots.configured = frozenset(e.base_url for e in model.config.endpoints)
-        slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in model.config.endpoints])
+        endpoints = model.config.endpoints
+        slots.configured = frozenset(e.base_url for e in endpoints)
+        slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in endpoints])
         self.slots[model.name] = slots
         self.local.capacity[model.name] = slots.capacity
 
@@ -244,8 +245,8 @@ class Admission:
             if slots is None:
                 self._add(model, tiers)
             else:
-                slots.configured = frozenset(e.base_url for e in model.config.endpoints)
-                slots.configure(utilization, model.config.max_queue, _fair(tiers))
+                urls = (e.base_url for e in model.config.endpoints)
+                slots.configure(utilization, model.config.max_queue, _fair(tiers), urls)
 
     def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
         """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""

@@ -116,17 +116,22 @@ def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, s
     flat: list[str] = []
     for key, value in fields.items():
         flat += [key, value]
-    bucket, member = identity(fields)
-    second = max(int(bucket[len(DEDUPE) :]), int(time.time()))
-    return bucket, member, second * 1000 + _remember_ms(retention_s), flat
+    second, member = _identity(fields)
+    forget_at = max(second, int(time.time())) * 1000 + _remember_ms(retention_s)
+    return f"{DEDUPE}{second}", member, forget_at, flat
 
 
 def identity(fields: Mapping[str, str]) -> tuple[str, str]:
     """Where a record's identity is remembered (the set of its second), and the identity."""
+    second, member = _identity(fields)
+    return f"{DEDUPE}{second}", member
+
+
+def _identity(fields: Mapping[str, str]) -> tuple[int, str]:
     member = fields["request_id"]
     if fields.get("attempt"):
         member += ":" + fields["attempt"]
-    return f"{DEDUPE}{_second_of(fields.get('ts', ''))}", member
+    return _second_of(fields.get("ts", "")), member
 
 
 def _remember_ms(retention_s: float) -> int:

@@ -7,7 +7,7 @@ times come from Redis `TIME` inside the scripts, never from a replica's clock.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,11 +145,17 @@ class ModelSlots:
         self.configure(utilization, max_queue, fair)
 
     def configure(
-        self, utilization: dict[Tier, float], max_queue: int, fair: dict[Tier, bool] | None = None
+        self,
+        utilization: dict[Tier, float],
+        max_queue: int,
+        fair: dict[Tier, bool] | None = None,
+        configured: Iterable[str] | None = None,
     ) -> None:
-        """Tier ceilings, queue bound and which tiers share between accounts (default: all),
-        set again by a config reload."""
+        """Tier ceilings, queue bound, which tiers share between accounts (default: all) and
+        the model's endpoints as configured (see `_ceiling`), set again by a config reload."""
         self.max_queue = max_queue
+        if configured is not None:
+            self.configured = frozenset(configured)
         self._utilization = [utilization[t] for t in BY_RANK]
         self._fair = "".join("a" if fair is None or fair[t] else "f" for t in BY_RANK)
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])

@@ -171,10 +171,17 @@ local function count(id, delta)
   if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
 end
 
--- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`.
+-- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`,
+-- the field made if missing (without it the common cases take the long way). Returns `~f`.
 local function mark_waiting(on)
-  local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '0')
-  if (marks % 2 == 1) ~= on then redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1) end
+  local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '-1')
+  if marks < 0 then
+    marks = on and 1 or 0
+    redis.call('HSET', EP_LOAD, '~f', marks)
+  elseif (marks % 2 == 1) ~= on then
+    marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
+  end
+  return marks
 end
 
 -- Count every account's leases afresh (O(leases), once each time the queue stops being

@@ -75,14 +75,7 @@ local function queued(rank)
 end
 -- The waiting bit the common cases read, set right (it is kept at each change of the
 -- queue between empty and not; a sweep mends whatever slipped).
-local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '-1')
-local on = redis.call('ZCARD', QUEUE) > 0
-if marks < 0 then
-  marks = on and 1 or 0
-  redis.call('HSET', EP_LOAD, '~f', marks)
-elseif (marks % 2 == 1) ~= on then
-  marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
-end
+local marks = mark_waiting(redis.call('ZCARD', QUEUE) > 0)
 local state = {redis.call('ZCARD', LEASES)}
 -- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
 -- lease an older release reclaimed without knowing its endpoint, during a rolling update).
