@@ -9,7 +9,10 @@ SSE event is complete, and never more than `limits.max_event_bytes` of it (docs/
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
@@ -77,16 +80,33 @@ def error_event(exc: GatewayError) -> bytes:
 
 def rewrite_answer(body: bytes, model: str, tier: str, usage: Usage) -> bytes:
     """A non-streamed worker answer with the gateway's model name and applied tier."""
+    dumps: Callable[[Any], bytes] = orjson.dumps
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise UpstreamFailed("The worker answered with invalid JSON.") from exc
+        if "surrogate" not in exc.msg:
+            raise UpstreamFailed("The worker answered with invalid JSON.") from exc
+        # A lone UTF-16 surrogate escape ("\ud800") is valid JSON that orjson refuses: the
+        # answer passes as a stream's event would, the escape kept as the worker wrote it.
+        data, dumps = _stdlib_loads(body), _stdlib_dumps
     if not isinstance(data, dict):
         raise UpstreamFailed("The worker answered with an unexpected JSON value.")
     data["model"] = model
     data["service_tier"] = tier
     usage.take(data.get("usage"))
-    return orjson.dumps(data)
+    return dumps(data)
+
+
+def _stdlib_loads(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError alike
+        raise UpstreamFailed("The worker answered with invalid JSON.") from exc
+
+
+def _stdlib_dumps(data: Any) -> bytes:
+    # ensure_ascii: a lone surrogate goes out as its escape (it has no UTF-8 encoding).
+    return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class StreamRewriter:

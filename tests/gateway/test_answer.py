@@ -501,13 +501,31 @@ def test_rewrite_answer_overrides_worker_service_tier() -> None:
     assert orjson.loads(rewrite_answer(body, MODEL, "flex", Usage()))["service_tier"] == "flex"
 
 
+def test_rewrite_answer_keeps_a_lone_surrogate_escape() -> None:
+    """Valid JSON that orjson refuses (a lone surrogate escape) passes as it would in a
+    stream, not as a 502; the escape reaches the caller as the worker wrote it."""
+    body = (
+        b'{"model": "m1", "choices": [{"text": "a\\ud800b"}], '
+        b'"usage": {"prompt_tokens": 2, "completion_tokens": 3}}'
+    )
+    usage = Usage()
+    out = rewrite_answer(body, MODEL, "flex", usage)
+    assert b'"text":"a\\ud800b"' in out
+    assert json.loads(out)["choices"][0]["text"] == "a\ud800b"
+    assert json.loads(out)["model"] == MODEL and json.loads(out)["service_tier"] == "flex"
+    assert (usage.prompt_tokens, usage.completion_tokens) == (2, 3)
+
+
 def test_rewrite_answer_without_usage() -> None:
     usage = Usage()
     rewrite_answer(b'{"choices": []}', MODEL, "default", usage)
     assert not usage.reported
 
 
-@pytest.mark.parametrize("body", [b"not json", b"", b'{"a": ', b"[1, 2]", b"42"])
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"", b'{"a": ', b"[1, 2]", b"42", b'{"a": "\\ud800"', b'{"a": "\\ud800\xff"}'],
+)
 def test_rewrite_answer_rejects_garbage(body: bytes) -> None:
     with pytest.raises(UpstreamFailed) as info:
         rewrite_answer(body, MODEL, "default", Usage())
