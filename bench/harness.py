@@ -34,17 +34,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def bench_redis(tmp: Path, given: str | None = None) -> Iterator[str]:
+def bench_redis(tmp: Path, given: str | None = None, cpu: str | None = None) -> Iterator[str]:
     """The Redis URL a benchmark runs against: `given` (or the environment's REDIS_URL) as
     it is, never flushed, since the benchmark did not start it; else a redis-server of the
-    benchmark's own on a free loopback port, empty, stopped at the end."""
+    benchmark's own on a free loopback port, empty, stopped at the end, pinned to `cpu`
+    (a CPU number; None: wherever the scheduler puts it)."""
     url = given or os.environ.get("REDIS_URL")
     if url:
         print("redis: the given server, not flushed (its gw:* keys and stream `usage` grow)")
         yield url
         return
     server = RedisServer(tmp).start()
-    print(f"redis: own redis-server on port {server.port}")
+    if cpu is not None:
+        os.sched_setaffinity(server.popen.pid, {int(cpu)})
+    where = "floating" if cpu is None else f"pinned to CPU {cpu}"
+    print(f"redis: own redis-server on port {server.port}, {where}")
     try:
         yield server.url
     finally:

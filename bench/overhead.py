@@ -86,7 +86,8 @@ def main() -> None:
     harness.need("wrk", "nginx", "taskset", "git")
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     procs: list[harness.Proc] = []
-    with harness.bench_redis(tmp) as redis_url, contextlib.ExitStack() as stack:
+    redis_cpu = None if args.redis_cpu == "any" else args.redis_cpu
+    with harness.bench_redis(tmp, cpu=redis_cpu) as redis_url, contextlib.ExitStack() as stack:
         tree, commit = None, None
         if args.baseline and not args.soak:
             tree, commit = stack.enter_context(baseline.checkout(args.baseline))
@@ -107,6 +108,11 @@ def main() -> None:
         write_soak(results, args.out)
     else:
         results["baseline"] = {"rev": args.baseline, "commit": commit}
+        results["placement"] = {
+            "nginx_hop_cpu": args.nginx_cpu,
+            "redis_cpu": args.redis_cpu,
+            "stream_client_until_first_byte": "SCHED_FIFO" if streams.prompt_client() else "normal",
+        }
         report(results, args.out)
 
 
@@ -122,6 +128,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--nginx-cpu", default=harness.OTHERS_CPU,
         help="the CPU of the nginx hop (default: the upstream's and wrk's, %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--redis-cpu", default=harness.OTHERS_CPU,
+        help="the CPU of the benchmark's own redis-server, or 'any' to let it float (default: "
+        "the upstream's and wrk's, %(default)s: in production Redis is another host's)",
     )  # fmt: skip
     parser.add_argument(
         "--profile", type=int, metavar="SECONDS",
@@ -211,7 +222,7 @@ def time_streams(hop: Hop, n: int, into: streams.Timings) -> None:
     """n 64-chunk streams from the simulator, through the hop (direct: none)."""
     body = json.dumps({"model": hop.stream_model, "prompt": "x", "stream": True})
     request = streams.request("127.0.0.1", PATH, body.encode(), KEY)
-    streams.time_streams("127.0.0.1", hop.stream_port, request, n, into)
+    streams.time_streams("127.0.0.1", hop.stream_port, request, n, into, int(harness.OTHERS_CPU))
 
 
 def throughput(hop: Hop, script: Path, seconds: int) -> dict[str, float]:
