@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError, PayloadTooLarge, RequestInvalid
+from gateway.protocol import write_answer
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -116,6 +117,15 @@ class Reply:
         self.started = False
         self.ended = False
 
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole answer: in one write where the server allows (gateway/protocol.py)."""
+        if await write_answer(self._send, status, headers, body):
+            self.started = self.ended = True
+            return
+        length = (b"content-length", str(len(body)).encode("latin-1"))
+        await self({"type": "http.response.start", "status": status, "headers": [length, *headers]})
+        await self({"type": "http.response.body", "body": body})
+
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
@@ -153,6 +163,9 @@ async def send_error(send: Send, exc: GatewayError, rid: str) -> None:
 async def send_json(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
+    if isinstance(send, Reply):
+        await send.answer(status, [(b"content-type", b"application/json"), *headers], body)
+        return
     await send(
         {
             "type": "http.response.start",

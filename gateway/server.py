@@ -35,6 +35,9 @@ def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
         log_level="warning",
         log_config=None,  # uvicorn's lines go through the process's handler (text or JSON)
         server_header=False,
+        # The gateway reads no client address or scheme from the scope: uvicorn's
+        # X-Forwarded-* rewriting (a middleware on every request) has nothing to feed.
+        proxy_headers=False,
         timeout_graceful_shutdown=int(grace_s) or None,
     )
 

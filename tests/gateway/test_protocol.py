@@ -8,7 +8,13 @@ from typing import Any
 
 import uvicorn
 
-from gateway.protocol import GatewayProtocol, HeadJoiningTransport, forget_disconnect, on_disconnect
+from gateway.protocol import (
+    GatewayProtocol,
+    HeadJoiningTransport,
+    forget_disconnect,
+    on_disconnect,
+    write_answer,
+)
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
 
@@ -126,7 +132,10 @@ class _App:
 async def _serving(app: _App) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=GatewayProtocol, lifespan="off", log_config=None)
+    # As the gateway runs it: no uvicorn access log (with one, `write_answer` declines).
+    config = uvicorn.Config(
+        app, http=GatewayProtocol, lifespan="off", log_config=None, access_log=False
+    )
     server = uvicorn.Server(config)
     sock.listen(16)  # connections wait in the backlog until the server accepts them
     task = asyncio.get_running_loop().create_task(server.serve([sock]))
@@ -158,3 +167,115 @@ async def test_on_another_server_nothing_is_registered() -> None:
 
     assert on_disconnect(receive, lambda: None) is False
     forget_disconnect(receive)  # harmless
+
+
+class _WholeApp:
+    """Answers every request with `write_answer`, counting the socket writes it makes."""
+
+    def __init__(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.headers = headers or [(b"content-type", b"application/json"), (b"x-request-id", b"r1")]
+        self.results: list[bool] = []
+        self.errors: list[Exception] = []
+        self.writes: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        transport = send.__self__.transport
+        inner = transport._transport
+        if not isinstance(inner, _Counting):
+            transport._transport = _Counting(inner, self.writes)
+        try:
+            self.results.append(await write_answer(send, 200, self.headers, b'{"a":1}'))
+        except RuntimeError as exc:
+            self.errors.append(exc)
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+
+class _Counting:
+    """A transport passing everything on, recording each write."""
+
+    def __init__(self, inner: Any, writes: list[bytes]) -> None:
+        self._inner = inner
+        self._writes = writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(data)
+        self._inner.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def _exchange(port: int, request: bytes, answers: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    got = b""
+    try:
+        for _ in range(answers):
+            got += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            got += await asyncio.wait_for(reader.readexactly(7), 5)
+        return got + await asyncio.wait_for(reader.read(), 5)  # b"" once the server closes
+    finally:
+        writer.close()
+
+
+async def test_a_whole_answer_is_one_write_and_keeps_the_connection() -> None:
+    app = _WholeApp()
+    server, task, port = await _serving(app)  # type: ignore[arg-type]
+    try:
+        # Two requests pipelined, then one asking to close: three answers, in order.
+        request = b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+        last = b"POST /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+        got = await _exchange(port, request * 2 + last, 3)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    answers = got.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 3 and app.results == [True, True, True]
+    assert len(app.writes) == 3  # one write each: head and body together
+    for answer, write in zip(answers, app.writes, strict=True):
+        assert b"HTTP/1.1 " + answer == write
+        head, body = write.split(b"\r\n\r\n")
+        assert body == b'{"a":1}' and b"content-length: 7" in head
+        assert b"x-request-id: r1" in head and b"date: " in head  # uvicorn's default headers
+    assert b"connection: close" not in answers[0] and b"connection: close" in answers[2]
+
+
+async def test_a_whole_answer_to_http_1_0_closes_the_connection() -> None:
+    app = _WholeApp()
+    server, task, port = await _serving(app)  # type: ignore[arg-type]
+    try:
+        got = await _exchange(port, b"POST /x HTTP/1.0\r\ncontent-length: 0\r\n\r\n", 1)
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert got.startswith(b"HTTP/1.1 200 ") and b"connection: close\r\n" in got
+    assert got.endswith(b'{"a":1}') and app.results == [True]
+
+
+async def test_a_header_value_that_would_split_the_answer_is_refused() -> None:
+    app = _WholeApp([(b"x-request-id", b"r1\r\nset-cookie: a=b")])
+    server, task, port = await _serving(app)  # type: ignore[arg-type]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert head.startswith(b"HTTP/1.1 500 ") and b"set-cookie" not in head
+    assert len(app.errors) == 1 and app.results == []
+
+
+async def test_write_answer_declines_what_it_cannot_send_whole() -> None:
+    sent: list[Any] = []
+
+    async def plain_send(message: Any) -> None:  # another server's send
+        sent.append(message)
+
+    assert await write_answer(plain_send, 200, [], b"{}") is False
+    assert sent == []
