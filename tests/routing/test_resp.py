@@ -34,6 +34,29 @@ def test_pack_is_resp() -> None:
     )
 
 
+def test_pack_gives_the_same_bytes_through_hiredis_and_without() -> None:
+    # Tuples of str/int/float/bytes go through hiredis's C encoder; lists and other types
+    # (bool) through the Python one: the bytes must not depend on which.
+    args = ("EVALSHA", "s" * 40, 3, "k", -7, 10**20, 0.1, 1e17, 5e-324, b"\x00\xff", "h\u00e9")
+    expected = _resp(args)
+    assert pack([args]) == pack([list(args)]) == expected
+    assert pack([("SET", "k", True)]) == _resp(("SET", "k", "True"))
+    with pytest.raises(UnicodeEncodeError):  # a lone surrogate is never sent half-encoded
+        pack([("SET", "k", "\ud800")])
+
+
+def _resp(args: tuple[object, ...]) -> bytes:
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = (
+            arg
+            if isinstance(arg, bytes)
+            else (repr(arg) if isinstance(arg, float) else str(arg)).encode()
+        )
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 async def test_replies_come_back_to_their_callers_in_order(client: RespClient) -> None:
     calls = [client.send([["ECHO", f"a{i}"], ["ECHO", f"b{i}"]]) for i in range(200)]
     replies = await asyncio.gather(*calls)
