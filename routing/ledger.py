@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import chain
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -113,9 +114,7 @@ def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, s
     """The set of the record's second, its identity, when the set goes (ms since the
     epoch: the retention after the record's second, or after now for an older record, whose
     resends the set must still catch), and the fields flat."""
-    flat: list[str] = []
-    for key, value in fields.items():
-        flat += [key, value]
+    flat = list(chain.from_iterable(fields.items()))
     second, member = _identity(fields)
     forget_at = max(second, int(time.time())) * 1000 + _remember_ms(retention_s)
     return f"{DEDUPE}{second}", member, forget_at, flat

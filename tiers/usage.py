@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from operator import attrgetter
 from typing import Any, Literal
 
 Outcome = Literal["complete", "cancelled", "error"]
@@ -43,8 +44,12 @@ class UsageRecord:
 
     def to_fields(self) -> dict[str, str]:
         """The record as a Redis stream entry: every value a string, None as ""."""
-        # Not dataclasses.asdict: its deep copy costs more than the rest (hot path).
-        return {name: _text(getattr(self, name)) for name in _NAMES}
+        # Not dataclasses.asdict: its deep copy costs more than the rest (hot path); the
+        # values in one C call, each converted inline (a call per field cost twice as much).
+        return {
+            name: value if value.__class__ is str else _text(value)
+            for name, value in zip(_NAMES, _values(self), strict=True)
+        }
 
     @classmethod
     def from_fields(cls, raw: dict[str, str]) -> UsageRecord:
@@ -58,6 +63,8 @@ def encodable(fields: Mapping[str, str]) -> dict[str, str]:
     """The record with every value valid UTF-8: a caller's text holding a lone UTF-16
     surrogate (which JSON allows) becomes "?" there, so the record can always be sent to
     Redis and written to the spool."""
+    if "".join(fields.values()).isascii():  # nearly every record: one check for all
+        return dict(fields)
     return {k: v if v.isascii() else _utf8(v) for k, v in fields.items()}
 
 
@@ -83,6 +90,7 @@ def cut(text: str | None, limit: int) -> str | None:
 
 
 _NAMES = tuple(f.name for f in fields(UsageRecord))
+_values = attrgetter(*_NAMES)
 _INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status"}
 _FLOATS = {"duration_ms", "queue_ms", "ttft_ms", "cost_usd"}
 _OPTIONAL = {"user", "source", "ttft_ms"}
