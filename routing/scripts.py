@@ -196,7 +196,7 @@ class Scripts:
             if name == TRANSACTION:
                 commands.append(Transaction(self._commands(args)))
             elif sha is None:
-                commands.append([name, *keys, *args])
+                commands.append((name, *keys, *args))  # tuples: hiredis packs them (wire.py)
             else:
-                commands.append(["EVALSHA", sha, len(keys), *keys, *args])
+                commands.append(("EVALSHA", sha, len(keys), *keys, *args))
         return commands

@@ -99,8 +99,9 @@ def pack(commands: Sequence[Command]) -> bytes:
             out.append(_EXEC)
             continue
         try:
-            out.append(_pack_command(command))  # type: ignore[arg-type]
-        except TypeError:  # a list, or an argument of another type (bool, None...)
+            args = command if command.__class__ is tuple else tuple(command)
+            out.append(_pack_command(args))
+        except TypeError:  # an argument of another type (bool, None...)
             out.append(_pack_args(command))
     return b"".join(out)
 
