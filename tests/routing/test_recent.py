@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,23 @@ def records_on(server: RedisServer) -> list[str]:
 async def admit_and_release(adm: Admission, rid: str) -> None:
     plan = plan_candidates("m", None, fail_fast=True, registry=REGISTRY, allowed=None)
     admitted = await asyncio.wait_for(adm.admit(plan, "acct", 10), 5)
-    record = {"request_id": rid, "account": "acct", "status": "200"}
+    # A record carries its time, as the gateway's do: its identity is remembered in the set
+    # of that second, so a resend a second boundary later still finds it.
+    ts = datetime.now(UTC).isoformat()
+    record = {"request_id": rid, "account": "acct", "status": "200", "ts": ts}
     await asyncio.wait_for(adm.release(admitted.lease, record), 5)
 
 
+def seconds_later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The clock the ledger reads, moved on: the resends below cross a second boundary."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + seconds)
+
+
 async def test_records_the_old_master_took_go_again_to_the_new_one(
-    two: tuple[RedisServer, RedisServer], moving: tuple[Admission, Locator]
+    two: tuple[RedisServer, RedisServer],
+    moving: tuple[Admission, Locator],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     adm, locator = moving
     for i in range(3):
@@ -83,6 +95,7 @@ async def test_records_the_old_master_took_go_again_to_the_new_one(
         with contextlib.suppress(RedisConnectionError):
             await adm.store.send([["PING"]])
         await asyncio.sleep(0.02)
+    seconds_later(monkeypatch, 1.0)
     keeper = Keeper(adm, aioredis.Redis(port=two[1].port))
     await asyncio.wait_for(keeper._tend_spool(), 5)
     assert sorted(records_on(two[1])) == [f"before-move-{i}" for i in range(3)]
