@@ -72,6 +72,13 @@ async def test_requests_on_a_started_server_leave_no_cycle_behind(
     collector: None, real_redis: aioredis.Redis, tmp_path: Path
 ) -> None:
     sim = procs.sim(tmp_path, "--ttft-ms", "0", "--itl-ms", "0", "--tokens", "4")
+    try:
+        await _serve_requests(sim)
+    finally:
+        sim.stop()
+
+
+async def _serve_requests(sim: procs.Proc) -> None:
     state = GatewayState(parse_config(_config(sim), "gc.yaml"))
     server = _DrainingServer(server_config(build_app(state), grace_s=5), None)
     sock = socket.socket()
@@ -105,4 +112,3 @@ async def test_requests_on_a_started_server_leave_no_cycle_behind(
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         sock.close()
-        sim.stop()
