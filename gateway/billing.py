@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from gateway.exchange import Exchange
 from routing.admission import Admitted
 from tiers.policy import TiersConfig
-from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, UsageRecord, cost_usd, cut
+from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, UsageRecord, cost_usd, utc_now_ms
 
 
 def usage_record(
@@ -25,30 +24,58 @@ def usage_record(
     payload: dict[str, Any],
     tiers: TiersConfig,
 ) -> UsageRecord:
+    """The record, typed (the fields of `usage_fields` read back)."""
+    return UsageRecord.from_fields(
+        usage_fields(
+            exchange, admitted, account=account, key_id=key_id,
+            requested_model=requested_model, requested_tier=requested_tier, user=user,
+            source=source, payload=payload, tiers=tiers,
+        )
+    )  # fmt: skip
+
+
+def usage_fields(
+    exchange: Exchange,
+    admitted: Admitted,
+    *,
+    account: str,
+    key_id: str,
+    requested_model: str,
+    requested_tier: str,
+    user: str | None,
+    source: str | None,
+    payload: dict[str, Any],
+    tiers: TiersConfig,
+) -> dict[str, str]:
+    """The record as its stream entry, built in one pass (the release's, on the hot path):
+    `UsageRecord.to_fields`'s names, order and text (None as "", a bool as "1"/"0"), without
+    the typed record between (making it and converting it cost twice the rest)."""
     prompt, completion, estimated = _tokens(exchange, payload)
-    duration_ms, queue_ms, ttft_ms = _timings_ms(exchange, admitted)
-    return UsageRecord(
-        request_id=exchange.rid,
-        ts=datetime.now(UTC).isoformat(timespec="milliseconds"),
-        account=account,
-        key_id=key_id,
-        user=cut(user, MAX_USER),
-        source=cut(source, MAX_SOURCE),
-        requested_model=requested_model,
-        served_model=admitted.candidate.model.name,
-        fallback_index=admitted.candidate.index,
-        requested_tier=requested_tier,
-        tier=admitted.tier.value,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        estimated=estimated,
-        status=exchange.status,
-        outcome=_outcome(exchange.status),
-        duration_ms=duration_ms,
-        queue_ms=queue_ms,
-        ttft_ms=ttft_ms,
-        cost_usd=_cost(prompt, completion, admitted, tiers),
-    )
+    started, first, status = exchange.started, exchange.first_byte, exchange.status
+    duration_ms = round((time.perf_counter() - started) * 1000, 3)
+    candidate = admitted.candidate
+    return {
+        "request_id": exchange.rid,
+        "ts": utc_now_ms(),
+        "account": account,
+        "key_id": key_id,
+        "user": "" if user is None else user[:MAX_USER],
+        "source": "" if source is None else source[:MAX_SOURCE],
+        "requested_model": requested_model,
+        "served_model": candidate.model.name,
+        "fallback_index": str(candidate.index),
+        "requested_tier": requested_tier,
+        "tier": admitted.tier.value,
+        "prompt_tokens": str(prompt),
+        "completion_tokens": str(completion),
+        "estimated": "1" if estimated else "0",
+        "status": str(status),
+        "outcome": _outcome(status),
+        "duration_ms": str(duration_ms),
+        "queue_ms": str(round(admitted.lease.queued_ms, 3)),
+        "ttft_ms": "" if first is None else str(round((first - started) * 1000, 3)),
+        "cost_usd": str(_cost(prompt, completion, admitted, tiers)),
+    }
 
 
 def _tokens(exchange: Exchange, payload: dict[str, Any]) -> tuple[int, int, bool]:
@@ -58,19 +85,6 @@ def _tokens(exchange: Exchange, payload: dict[str, Any]) -> tuple[int, int, bool
     if usage.reported:
         return usage.prompt_tokens, usage.completion_tokens, False
     return _estimate_prompt(payload), usage.streamed, True
-
-
-def _timings_ms(exchange: Exchange, admitted: Admitted) -> tuple[float, float, float | None]:
-    """(duration, queue wait, time to first byte or None) in milliseconds."""
-    now = time.perf_counter()
-    ttft_ms = None
-    if exchange.first_byte is not None:
-        ttft_ms = round((exchange.first_byte - exchange.started) * 1000, 3)
-    return (
-        round((now - exchange.started) * 1000, 3),
-        round(admitted.lease.queued_ms, 3),
-        ttft_ms,
-    )
 
 
 def _cost(prompt: int, completion: int, admitted: Admitted, tiers: TiersConfig) -> float:

@@ -32,7 +32,7 @@ from gateway.asgi import (
     send_error,
 )
 from gateway.auth import key_from_headers
-from gateway.billing import usage_record
+from gateway.billing import usage_fields
 from gateway.body import parse_body
 from gateway.errors import (
     GatewayError,
@@ -52,7 +52,6 @@ from routing.affinity import affinity_key
 from routing.errors import RoutingError, UnavailableReason
 from routing.plan import plan_candidates
 from tiers.resolve import requested_tier
-from tiers.usage import UsageRecord
 
 log = logging.getLogger("gateway.route")
 
@@ -151,7 +150,7 @@ class CompletionRoute:
             admission = self._state.admission
             record: dict[str, str] | None = None
             try:
-                record = self._record(parsed, admitted, exchange).to_fields()
+                record = self._record(parsed, admitted, exchange)
             except Exception as exc:  # the slot must go back whatever the record holds
                 admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
             # With the record, in one round trip.
@@ -179,9 +178,9 @@ class CompletionRoute:
             self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
         return admitted
 
-    def _record(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> UsageRecord:
+    def _record(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> dict[str, str]:
         request = parsed.request
-        return usage_record(
+        return usage_fields(
             exchange,
             admitted,
             account=parsed.account.name,

@@ -63,9 +63,11 @@ class Handback:
         self.holdings.held.pop(lease.id, None)
         self._retry.held(lease.model, time.monotonic() - lease.since)
         if usage is not None:
-            # Unique per admission, unlike request ids; every value encodable whatever the
-            # caller sent, so the record can never stop the release.
-            usage = {**encodable(usage), "attempt": lease.id}
+            # Every value encodable whatever the caller sent, so the record can never stop
+            # the release (a copy of the caller's), and the admission attempt: unique per
+            # admission, unlike request ids.
+            usage = encodable(usage)
+            usage["attempt"] = lease.id
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if lease.local:
             self._spool(usage)

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from itertools import chain
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -95,14 +95,15 @@ class FirstSends:
         self._stamped: dict[str, None] = {}  # the latest sets given their expiry, oldest first
 
     def call(self, fields: Mapping[str, str], retention_s: float) -> Call:
-        bucket, member, forget_at, flat = _record_parts(fields, retention_s)
+        second, member = _identity(fields)
+        bucket = f"{DEDUPE}{second}"
         commands: list[Call] = [("SADD", [bucket], [member])]
         if bucket not in self._stamped:
-            commands.append(("PEXPIREAT", [bucket], [forget_at]))
+            commands.append(("PEXPIREAT", [bucket], [_forget_at(second, retention_s)]))
             self._stamped[bucket] = None
             if len(self._stamped) > STAMPS_KEPT:
                 del self._stamped[next(iter(self._stamped))]
-        commands.append(("XADD", [USAGE_STREAM], ["*", *flat]))
+        commands.append(("XADD", [USAGE_STREAM], ["*", *chain.from_iterable(fields.items())]))
         return (TRANSACTION, [], commands)
 
     def forget(self) -> None:
@@ -116,8 +117,11 @@ def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, s
     resends the set must still catch), and the fields flat."""
     flat = list(chain.from_iterable(fields.items()))
     second, member = _identity(fields)
-    forget_at = max(second, int(time.time())) * 1000 + _remember_ms(retention_s)
-    return f"{DEDUPE}{second}", member, forget_at, flat
+    return f"{DEDUPE}{second}", member, _forget_at(second, retention_s), flat
+
+
+def _forget_at(second: int, retention_s: float) -> int:
+    return max(second, int(time.time())) * 1000 + _remember_ms(retention_s)
 
 
 def identity(fields: Mapping[str, str]) -> tuple[str, str]:
@@ -140,14 +144,23 @@ def _remember_ms(retention_s: float) -> int:
 
 def _second_of(ts: str) -> int:
     """The whole second (since the epoch) of a record's time, ISO 8601; one the gateway did
-    not write (never seen) counts as now."""
+    not write (never seen) counts as now. The last second read is remembered by its text
+    (the date and time of day, in UTC): the records of one second are read once."""
+    if ts.endswith("+00:00") and ts[:19] == _LAST_SECOND[0]:
+        return int(_LAST_SECOND[1])
     try:
         when = datetime.fromisoformat(ts)
     except ValueError:
         return int(time.time())
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return int(when.timestamp())
+    second = int(when.timestamp())
+    if when.utcoffset() == timedelta(0) and len(ts) > 19 and ts[19] in ".+":
+        _LAST_SECOND[:] = ts[:19], second
+    return second
+
+
+_LAST_SECOND: list[str | int] = ["", 0]  # the text of the last second `_second_of` read, and it
 
 
 def store_sender(scripts: Scripts, store: Store) -> Send:

@@ -7,6 +7,7 @@ applied tier's multiplier.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from operator import attrgetter
@@ -60,9 +61,9 @@ class UsageRecord:
 
 
 def encodable(fields: Mapping[str, str]) -> dict[str, str]:
-    """The record with every value valid UTF-8: a caller's text holding a lone UTF-16
-    surrogate (which JSON allows) becomes "?" there, so the record can always be sent to
-    Redis and written to the spool."""
+    """The record with every value valid UTF-8, a new dict: a caller's text holding a lone
+    UTF-16 surrogate (which JSON allows) becomes "?" there, so the record can always be sent
+    to Redis and written to the spool."""
     if "".join(fields.values()).isascii():  # nearly every record: one check for all
         return dict(fields)
     return {k: v if v.isascii() else _utf8(v) for k, v in fields.items()}
@@ -87,6 +88,20 @@ def cut(text: str | None, limit: int) -> str | None:
     if text is None:
         return None
     return text[:limit]
+
+
+def utc_now_ms() -> str:
+    """Now, as a record's `ts`: ISO 8601 in UTC to the millisecond, the text of
+    `datetime.now(UTC).isoformat(timespec="milliseconds")` at a quarter of its cost (the
+    date and time of day made once a second)."""
+    now = time.time()
+    second = int(now)
+    if second != _SECOND[0]:
+        _SECOND[:] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_SECOND[1]}.{int((now - second) * 1000):03d}+00:00"
+
+
+_SECOND: list[Any] = [-1, ""]  # the second `utc_now_ms` last saw, and its text
 
 
 _NAMES = tuple(f.name for f in fields(UsageRecord))

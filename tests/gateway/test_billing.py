@@ -3,20 +3,22 @@ or estimated tokens, the outcome, timings, labels, and the price at the applied 
 
 from __future__ import annotations
 
+import re
 import time
+from dataclasses import fields as dataclass_fields
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
-from gateway.billing import usage_record
+from gateway.billing import usage_fields, usage_record
 from gateway.exchange import Exchange, Usage
 from gateway.settings import parse_config
 from routing.admission import Admitted, Lease
 from routing.plan import Candidate
 from routing.registry import Registry
 from tiers.policy import Tier, TiersConfig
-from tiers.usage import UsageRecord
+from tiers.usage import UsageRecord, utc_now_ms
 
 CONFIG = """
 models:
@@ -264,3 +266,37 @@ def test_missing_user_and_source_stay_none() -> None:
 def test_record_survives_the_stream() -> None:
     rec = build(exchange(Usage(streamed=2), status=499, ttft_s=0.01), user=None)
     assert UsageRecord.from_fields(rec.to_fields()) == rec
+
+
+@pytest.mark.parametrize(
+    ("exch", "user", "source"),
+    [
+        (exchange(Usage(1000, 50, reported=True)), "alice", "batch"),
+        (exchange(Usage(streamed=2), status=499, ttft_s=0.01), None, None),
+        (exchange(status=502, ttft_s=0.5, stream=False), "u" * 300, ""),
+    ],
+)
+def test_the_hot_paths_fields_are_the_records_stream_entry(
+    exch: Exchange, user: str | None, source: str | None
+) -> None:
+    """`usage_fields` (the release's) writes exactly what the typed record would: its
+    names in its order and its text, so a reader of the stream cannot tell them apart."""
+    fields = usage_fields(
+        exch, admitted(queued_ms=1.23456), account="t-acme", key_id="0123456789ab",
+        requested_model="big", requested_tier="priority", user=user, source=source,
+        payload={"prompt": "hello"}, tiers=TIERS,
+    )  # fmt: skip
+    assert all(type(v) is str for v in fields.values())
+    assert UsageRecord.from_fields(fields).to_fields() == fields
+    assert list(fields) == [f.name for f in dataclass_fields(UsageRecord)]
+
+
+def test_a_records_time_is_iso_8601_in_utc_to_the_millisecond() -> None:
+    before = datetime.now(UTC)
+    stamps = [utc_now_ms() for _ in range(2000)]  # across a millisecond boundary or more
+    after = datetime.now(UTC)
+    for ts in stamps:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", ts), ts
+        when = datetime.fromisoformat(ts)
+        assert before - timedelta(milliseconds=1) <= when <= after
+    assert stamps == sorted(stamps)

@@ -143,7 +143,7 @@ async def test_a_record_that_cannot_be_built_still_releases_the_slot_and_is_coun
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app, _ = make_app()
-    monkeypatch.setattr(route, "usage_record", explode)
+    monkeypatch.setattr(route, "usage_fields", explode)
     rid = uuid.uuid4().hex
     resp = await send(app, BASE + b"}", rid)
     assert resp.status_code == 200  # the caller got its answer

@@ -20,7 +20,7 @@ async def test_a_record_that_cannot_be_built_still_releases_and_is_counted_lost(
         raise ValueError("a record nobody foresaw")
 
     app, upstream = make_app()
-    monkeypatch.setattr(route, "usage_record", broken)
+    monkeypatch.setattr(route, "usage_fields", broken)
     rid = uuid.uuid4().hex
     resp = await send(app, BASE + b"}", rid)
     assert resp.status_code == 200, resp.text  # the caller got its answer

@@ -5,7 +5,9 @@ trimmed to the retention, spooled to disk while Redis is away or refusing, flush
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -15,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.settings import parse_config
+from routing import ledger
 from routing.admission import STORE_ERRORS, Admission, Lease
 from routing.ledger import (
     DEDUPE_MAX_S,
@@ -522,3 +525,23 @@ async def test_flush_without_spool_does_nothing(usage_redis: aioredis.Redis) -> 
     assert await bounded(live.ledger.flush()) == 0
     assert await entries(usage_redis) == []
     await bounded(live.close())
+
+
+def test_a_records_second_is_the_same_read_afresh_or_remembered() -> None:
+    """`_second_of` remembers the last second it read by its text; a record of another
+    offset, or none, with the same digits is still read for what it says."""
+    base = int(datetime(2026, 12, 1, 21, 40, tzinfo=UTC).timestamp())
+    cases = [
+        ("2026-12-01T21:40:00.123+00:00", base),
+        ("2026-12-01T21:40:00.999+00:00", base),  # remembered
+        ("2026-12-01T21:40:00.123+02:00", base - 7200),
+        ("2026-12-01T21:40:00.500+00:00", base),
+        ("2026-12-01T21:40:00.500", base),  # no offset: UTC
+        ("2026-12-01T21:40:00+00:00", base),
+        ("2026-12-01T21:40:01.000+00:00", base + 1),
+        ("2026-12-01T21:40:00.001+00:00", base),
+    ]
+    for ts, second in cases:
+        assert ledger._second_of(ts) == second, ts
+    before = int(time.time())
+    assert before <= ledger._second_of("not a time") <= int(time.time())
