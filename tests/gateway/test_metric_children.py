@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.metrics import MAX_CHILDREN, Children, Metrics
+from gateway.metrics import MAX_CHILDREN, Children, LoopValue, Metrics
 
 
 def _counter() -> Counter:
@@ -50,3 +50,18 @@ def test_the_hot_families_have_caches_of_the_default_bound() -> None:
     assert 'gateway_requests_total{code="200",model="m",tier="default"} 1.0' in text
     assert 'gateway_tokens_total{kind="prompt",model="m",tier="default"} 3.0' in text
     assert MAX_CHILDREN >= 1000
+
+
+def test_a_single_process_counts_without_a_lock_and_exactly() -> None:
+    """Outside `serve --workers`, values are the loop's own (no lock per change): the
+    gateway changes metrics on its event loop's thread only."""
+    metrics = Metrics()
+    child = metrics.requests_of("m", "default", "200")
+    assert isinstance(child._value, LoopValue)  # type: ignore[attr-defined]
+    for _ in range(1000):
+        child.inc()
+    metrics.duration_of("m", "default").observe(0.02)
+    text = metrics.render().decode()
+    assert 'gateway_requests_total{code="200",model="m",tier="default"} 1000.0' in text
+    bucket = 'gateway_request_duration_seconds_bucket{le="0.025",model="m",tier="default"} 1.0'
+    assert bucket in text

@@ -1,7 +1,8 @@
-"""The cyclic collector once a server has started (gateway/server.py `settle_gc`): what the
-server holds for its life is frozen and the thresholds rise, which is only sound while a
-request leaves no reference cycle behind. Here the real route, on the server's own
-protocol, over the run's Redis and a real simulated worker, is checked for that."""
+"""What a started server relies on, checked on the real route and the server's own protocol
+over the run's Redis and a real simulated worker: a request leaves no reference cycle
+behind (gateway/server.py `settle_gc` freezes the collector's old objects and raises its
+thresholds), and no thread is started (metrics change without a lock: gateway/metrics.py
+`LoopValue`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import gc
 import hashlib
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,6 +86,7 @@ async def _serve_requests(sim: procs.Proc) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    threads = threading.active_count()
     task = asyncio.get_running_loop().create_task(server.serve([sock]))
     try:
         for _ in range(200):  # uvicorn has no started event to wait on
@@ -102,6 +105,8 @@ async def _serve_requests(sim: procs.Proc) -> None:
             heads = await asyncio.gather(*(_answer(r, w) for r, w in connections))
             assert all(head.startswith(b"HTTP/1.1 200 ") for head in heads)
         await state.admission.drain()
+        # Metrics change without a lock (gateway/metrics.py LoopValue): on this thread only.
+        assert threading.active_count() == threads
         found = gc.collect()
         kinds = sorted({type(o).__name__ for o in gc.garbage})
         # 200 requests, each of some hundred objects: a cycle per request would be 200+.
