@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 from routing.estimate import RetryAfter
+from routing.futures import shielded
 from routing.holdings import Holdings, Lease
 from routing.ledger import DEFAULT_RETENTION_S, FirstSends, UsageSpool
 from routing.recent import Recent
@@ -167,7 +168,7 @@ class Handback:
         finish and whatever they took is given back; a call that fails leaves its effect
         in doubt, for the sweeps to forget."""
         try:
-            return await asyncio.shield(work)
+            return await shielded(work)
         except asyncio.CancelledError:
             work.add_done_callback(partial(self._late, lease_id, model, account))
             self._track(work)
