@@ -171,7 +171,7 @@ async def write_answer(
         return False
     parts = [STATUS_LINE[status]]
     for name, value in (*cycle.default_headers, *headers):
-        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+        if (name not in _GOOD_NAMES and not _good_name(name)) or HEADER_VALUE_RE.search(value):
             raise RuntimeError("Invalid HTTP header.")  # before anything is sent or marked
         parts += (name, b": ", value, b"\r\n")
     if cycle.flow.write_paused and not cycle.disconnected:
@@ -189,4 +189,17 @@ async def write_answer(
     if not cycle.keep_alive:
         cycle.transport.close()
     cycle.on_response()
+    return True
+
+
+# Header names `write_answer` found valid: the gateway's own, a handful (bounded all the same).
+_GOOD_NAMES: set[bytes] = set()
+_MAX_GOOD_NAMES = 256
+
+
+def _good_name(name: bytes) -> bool:
+    if HEADER_RE.search(name):
+        return False
+    if len(_GOOD_NAMES) < _MAX_GOOD_NAMES:
+        _GOOD_NAMES.add(name)
     return True

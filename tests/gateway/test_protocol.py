@@ -6,8 +6,10 @@ import asyncio
 import socket
 from typing import Any
 
+import pytest
 import uvicorn
 
+from gateway import protocol
 from gateway.protocol import (
     GatewayProtocol,
     HeadJoiningTransport,
@@ -269,6 +271,29 @@ async def test_a_header_value_that_would_split_the_answer_is_refused() -> None:
         await asyncio.wait_for(task, 10)
     assert head.startswith(b"HTTP/1.1 500 ") and b"set-cookie" not in head
     assert len(app.errors) == 1 and app.results == []
+
+
+@pytest.mark.parametrize("name", [b"x request", b"x-a:b", b"x-(a)", b"x-a\r\nset-cookie"])
+async def test_a_bad_header_name_is_refused_after_good_names_were_seen(name: bytes) -> None:
+    """Valid names are remembered (a bounded set); a bad one is checked every time."""
+    app = _WholeApp([(b"content-type", b"application/json"), (name, b"v")])
+    server, task, port = await _serving(app)  # type: ignore[arg-type]
+    try:
+        app.headers = _WholeApp().headers  # first a good answer, whose names are kept
+        close = b"POST /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+        assert (await _exchange(port, close, 1)).startswith(b"HTTP/1.1 200 ")
+        app.headers = [(b"content-type", b"application/json"), (name, b"v")]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert head.startswith(b"HTTP/1.1 500 ") and name not in head
+    assert len(app.errors) == 1
+    assert name not in protocol._GOOD_NAMES and b"content-type" in protocol._GOOD_NAMES
+    assert len(protocol._GOOD_NAMES) <= protocol._MAX_GOOD_NAMES
 
 
 async def test_write_answer_declines_what_it_cannot_send_whole() -> None:
