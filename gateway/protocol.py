@@ -121,7 +121,46 @@ class GatewayProtocol(HttpToolsProtocol):
         wrapped = HeadJoiningTransport(transport, loop)  # type: ignore[arg-type]
         super().connection_made(wrapped)  # type: ignore[arg-type]
 
+    # uvicorn arms a keep-alive timer after every answer and cancels it when the next request
+    # begins: a timer made and dropped per request. Here one timer per idle spell checks,
+    # when it fires, how long the connection has been idle, and waits for the rest.
+    _idle_since: float | None = None
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # a request begins (or the connection ends): not idle
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, but for the keep-alive timer (above).
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = None
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self._keep_alive_due
+            )
+
+    def _keep_alive_due(self) -> None:
+        self.timeout_keep_alive_task = None
+        idle_since = self._idle_since
+        if idle_since is None:  # busy: the answer's end arms it again
+            return
+        left = idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
+        else:
+            self.timeout_keep_alive_handler()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:

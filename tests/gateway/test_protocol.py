@@ -304,3 +304,36 @@ async def test_write_answer_declines_what_it_cannot_send_whole() -> None:
 
     assert await write_answer(plain_send, 200, [], b"{}") is False
     assert sent == []
+
+
+async def test_an_idle_connection_closes_a_keep_alive_timeout_after_its_last_answer() -> None:
+    """One timer per idle spell (gateway/protocol.py): a request inside the timeout keeps
+    the connection, and the close comes a whole timeout after the last answer."""
+    app = _WholeApp()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        app, http=GatewayProtocol, lifespan="off", log_config=None, access_log=False,
+        timeout_keep_alive=1,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    sock.listen(16)
+    task = asyncio.get_running_loop().create_task(server.serve([sock]))
+    request = b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+    loop = asyncio.get_running_loop()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        for _ in range(3):  # each inside the timeout of the one before
+            writer.write(request)
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            await asyncio.wait_for(reader.readexactly(7), 5)
+            last = loop.time()
+            await asyncio.sleep(0.6)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        idle = loop.time() - last
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert app.results == [True, True, True]
+    assert idle >= 0.9  # not before the timeout after the last answer
