@@ -35,7 +35,9 @@ def parse_body(body: bytes, schema: type[ModelT]) -> tuple[dict[str, Any], Model
             ]
         )
     try:
-        return payload, schema.model_validate(payload)
+        # model_validate's own validator, called without its wrapper and keyword arguments.
+        request: ModelT = schema.__pydantic_validator__.validate_python(payload)
+        return payload, request
     except ValidationError as exc:
         raise RequestInvalid(validation_detail(exc, payload)) from None
 

@@ -141,6 +141,17 @@ class Metrics:
         self.duration_of = Children(self.duration)
         self.ttft_of = Children(self.ttft)
         self.tokens_of = Children(self.tokens)
+        self._served: dict[tuple[str, str], Served] = {}
+
+    def served(self, model: str, tier: str) -> Served:
+        """An answered request's children of one model and tier, looked up once (at most
+        MAX_CHILDREN pairs kept, then the cache starts over, as `Children`)."""
+        found = self._served.get((model, tier))
+        if found is None:
+            if len(self._served) >= MAX_CHILDREN:
+                self._served.clear()
+            found = self._served[(model, tier)] = Served(self, model, tier)
+        return found
 
     def _declare_admission(self, r: CollectorRegistry) -> None:
         """Slots and queues: who waits, who holds, who was turned away or fell back."""
@@ -253,6 +264,44 @@ class Metrics:
     def render(self) -> bytes:
         self.publish()
         return generate_latest(self._scrape)
+
+
+class Served:
+    """The children an answered request of one model and tier changes: its code's request
+    count, its duration, and (made when first needed, as `labels` would) its time to the
+    first byte and its tokens."""
+
+    __slots__ = ("_codes", "_metrics", "_model", "_tier", "_tokens", "_ttft", "duration")
+
+    def __init__(self, metrics: Metrics, model: str, tier: str) -> None:
+        self._metrics = metrics
+        self._model, self._tier = model, tier
+        self._codes: dict[int, Counter] = {}
+        self.duration = metrics.duration_of(model, tier)
+        self._ttft: Histogram | None = None
+        self._tokens: tuple[Counter, Counter] | None = None
+
+    def answered(self, status: int, duration_s: float, ttft_s: float | None) -> None:
+        child = self._codes.get(status)
+        if child is None:  # HTTP status codes: a bounded set
+            child = self._codes[status] = self._metrics.requests_of(
+                self._model, self._tier, str(status)
+            )
+        child.inc()
+        self.duration.observe(duration_s)
+        if ttft_s is not None:
+            if self._ttft is None:
+                self._ttft = self._metrics.ttft_of(self._model, self._tier)
+            self._ttft.observe(ttft_s)
+
+    def tokens(self, prompt: int, completion: int) -> None:
+        if self._tokens is None:
+            of = self._metrics.tokens_of
+            self._tokens = (
+                of(self._model, self._tier, "prompt"), of(self._model, self._tier, "completion")
+            )  # fmt: skip
+        self._tokens[0].inc(prompt)
+        self._tokens[1].inc(completion)
 
 
 class Children(Generic[FamilyT]):

@@ -112,8 +112,8 @@ class CompletionRoute:
         parsed = Parsed(rid, started, account, payload, request, wanted, headers.source, note)
         options = request.stream_options
         include_usage = True if options is None else bool(options.include_usage)
-        exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage())
-        exchange.trace = trace_headers(headers.traceparent, headers.tracestate)
+        trace = trace_headers(headers.traceparent, headers.tracestate)
+        exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage(), trace=trace)
         await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
 
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
@@ -205,21 +205,17 @@ class CompletionRoute:
             parsed.note.model, parsed.note.tier = model or None, tier or None
 
     def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
-        metrics = self._state.metrics
         model, tier = admitted.candidate.model.name, admitted.tier.value
-        metrics.requests_of(model, tier, str(exchange.status)).inc()
-        metrics.duration_of(model, tier).observe(time.perf_counter() - exchange.started)
+        served = self._state.metrics.served(model, tier)
         ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
-        if ttft is not None:
-            metrics.ttft_of(model, tier).observe(ttft)
+        served.answered(exchange.status, time.perf_counter() - exchange.started, ttft)
         if note is not None:
             note.model, note.tier, note.status = model, tier, exchange.status
             note.queue_ms = round(admitted.lease.queued_ms, 3)
             note.ttft_ms = None if ttft is None else round(ttft * 1000, 3)
         usage = exchange.usage
         if usage.reported:
-            metrics.tokens_of(model, tier, "prompt").inc(usage.prompt_tokens)
-            metrics.tokens_of(model, tier, "completion").inc(usage.completion_tokens)
+            served.tokens(usage.prompt_tokens, usage.completion_tokens)
 
 
 async def _until_disconnect(

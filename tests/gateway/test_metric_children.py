@@ -65,3 +65,25 @@ def test_a_single_process_counts_without_a_lock_and_exactly() -> None:
     assert 'gateway_requests_total{code="200",model="m",tier="default"} 1000.0' in text
     bucket = 'gateway_request_duration_seconds_bucket{le="0.025",model="m",tier="default"} 1.0'
     assert bucket in text
+
+
+def test_an_answered_request_counts_as_the_families_would() -> None:
+    """`Metrics.served`: one lookup per model and tier; a time to first byte and tokens
+    make their series only once there is one to count."""
+    metrics = Metrics()
+    served = metrics.served("m", "flex")
+    assert metrics.served("m", "flex") is served
+    served.answered(502, 0.2, None)
+    text = metrics.render().decode()
+    assert 'gateway_requests_total{code="502",model="m",tier="flex"} 1.0' in text
+    assert 'gateway_request_duration_seconds_count{model="m",tier="flex"} 1.0' in text
+    assert "gateway_time_to_first_token_seconds_count{" not in text
+    assert "gateway_tokens_total{" not in text
+    served.answered(200, 0.3, 0.01)
+    served.answered(200, 0.3, 0.02)
+    served.tokens(5, 7)
+    text = metrics.render().decode()
+    assert 'gateway_requests_total{code="200",model="m",tier="flex"} 2.0' in text
+    assert 'gateway_time_to_first_token_seconds_count{model="m",tier="flex"} 2.0' in text
+    assert 'gateway_tokens_total{kind="prompt",model="m",tier="flex"} 5.0' in text
+    assert 'gateway_tokens_total{kind="completion",model="m",tier="flex"} 7.0' in text
