@@ -8,30 +8,7 @@ from typing import Any
 from gateway.exchange import Exchange
 from routing.admission import Admitted
 from tiers.policy import TiersConfig
-from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, UsageRecord, cost_usd, utc_now_ms
-
-
-def usage_record(
-    exchange: Exchange,
-    admitted: Admitted,
-    *,
-    account: str,
-    key_id: str,
-    requested_model: str,
-    requested_tier: str,
-    user: str | None,
-    source: str | None,
-    payload: dict[str, Any],
-    tiers: TiersConfig,
-) -> UsageRecord:
-    """The record, typed (the fields of `usage_fields` read back)."""
-    return UsageRecord.from_fields(
-        usage_fields(
-            exchange, admitted, account=account, key_id=key_id,
-            requested_model=requested_model, requested_tier=requested_tier, user=user,
-            source=source, payload=payload, tiers=tiers,
-        )
-    )  # fmt: skip
+from tiers.usage import MAX_SOURCE, MAX_USER, Outcome, cost_usd, utc_now_ms
 
 
 def usage_fields(
@@ -49,7 +26,8 @@ def usage_fields(
 ) -> dict[str, str]:
     """The record as its stream entry, built in one pass (the release's, on the hot path):
     `UsageRecord.to_fields`'s names, order and text (None as "", a bool as "1"/"0"), without
-    the typed record between (making it and converting it cost twice the rest)."""
+    the typed record between (making it and converting it cost twice the rest); the typed
+    form is `UsageRecord.from_fields` of these."""
     prompt, completion, estimated = _tokens(exchange, payload)
     started, first, status = exchange.started, exchange.first_byte, exchange.status
     duration_ms = round((time.perf_counter() - started) * 1000, 3)

@@ -224,6 +224,16 @@ async def _exchange(port: int, request: bytes, answers: int) -> bytes:
         writer.close()
 
 
+async def _head_of(port: int) -> bytes:
+    """The head of the answer to one request on a connection of its own."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    finally:
+        writer.close()
+
+
 async def test_a_whole_answer_is_one_write_and_keeps_the_connection() -> None:
     app = _WholeApp()
     server, task, port = await _serving(app)  # type: ignore[arg-type]
@@ -262,10 +272,7 @@ async def test_a_header_value_that_would_split_the_answer_is_refused() -> None:
     app = _WholeApp([(b"x-request-id", b"r1\r\nset-cookie: a=b")])
     server, task, port = await _serving(app)  # type: ignore[arg-type]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        writer.close()
+        head = await _head_of(port)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
@@ -283,10 +290,7 @@ async def test_a_bad_header_name_is_refused_after_good_names_were_seen(name: byt
         close = b"POST /x HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
         assert (await _exchange(port, close, 1)).startswith(b"HTTP/1.1 200 ")
         app.headers = [(b"content-type", b"application/json"), (name, b"v")]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        writer.close()
+        head = await _head_of(port)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
