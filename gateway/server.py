@@ -32,8 +32,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # walked the in-flight requests' objects again: 6-7 % of the gateway's CPU per request at
 # c=32 (bench/README.md). The collector stays on for the rare cycle (an error's
 # traceback). Measured: 2,000 allocations between young collections saves as much CPU as
-# 10,000, and keeps RSS flat under load, where 10,000 let it grow by 128 KiB every minute
-# or two (700 with freeze alone saves a third of it).
+# 10,000; under load RSS grew less with it (two 128 KiB steps in a 10-minute soak at c=32,
+# where 10,000 made three, and the default one or none: bench/README.md). 700 with the
+# freeze alone saves a third of the CPU.
 GC_THRESHOLDS = (2_000, 20, 20)
 
 
