@@ -44,8 +44,9 @@ def usage_fields(
         "fallback_index": str(candidate.index),
         "requested_tier": requested_tier,
         "tier": admitted.tier.value,
-        "prompt_tokens": str(prompt),
-        "completion_tokens": str(completion),
+        # int(): a worker's JSON `true` passes Usage.take as an int; the record says "1".
+        "prompt_tokens": str(int(prompt)),
+        "completion_tokens": str(int(completion)),
         "estimated": "1" if estimated else "0",
         "status": str(status),
         "outcome": _outcome(status),

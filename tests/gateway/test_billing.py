@@ -301,3 +301,12 @@ def test_a_records_time_is_iso_8601_in_utc_to_the_millisecond() -> None:
         when = datetime.fromisoformat(ts)
         assert before - timedelta(milliseconds=1) <= when <= after
     assert stamps == sorted(stamps)
+
+
+def test_a_workers_boolean_token_count_is_written_as_the_typed_record_would() -> None:
+    """JSON `true` is an int to Usage.take: the entry says "1", as to_fields wrote it."""
+    usage = Usage()
+    usage.take({"prompt_tokens": True, "completion_tokens": 3})
+    fields = build_fields(exchange(usage))
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == ("1", "3")
+    assert UsageRecord.from_fields(fields).prompt_tokens == 1
