@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import platform
 import shutil
@@ -49,7 +48,6 @@ from routing.resp import RespClient  # noqa: E402
 from tests.e2e import procs  # noqa: E402
 
 KEY = "sk-bench"
-DEFAULT_OUT = ROOT / "bench" / "results" / f"admission-{dt.date.today().isoformat()}.json"
 
 
 class RoundTrips:
@@ -208,7 +206,7 @@ def main() -> None:
             results = asyncio.run(measure(redis_url, n, tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report(results, args.out or (None if args.quick else DEFAULT_OUT))
+    report(results, args.out or (None if args.quick else harness.results_path("admission-")))
 
 
 async def measure(redis_url: str, n: int, tmp: Path) -> dict[str, Any]:

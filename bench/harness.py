@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import shutil
@@ -223,6 +224,17 @@ def nginx_proxy(tmp: Path, static: int, sim: int, cpu: str = GATEWAY_CPU) -> tup
     proxy, stream = free_port(), free_port()
     servers = PROXY.format(static=static, sim=sim, proxy=proxy, stream=stream)
     return _nginx(tmp, "proxy", servers, cpu), proxy, stream
+
+
+def results_path(prefix: str = "") -> Path:
+    """bench/results/<prefix><today>.json, or the first of -2, -3, ... not yet there: a run
+    never overwrites the day's earlier results (committed ones among them)."""
+    base = ROOT / "bench" / "results" / f"{prefix}{dt.date.today().isoformat()}"
+    path, n = base.with_suffix(".json"), 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}.json")
+    return path
 
 
 WRK_SCRIPT = """

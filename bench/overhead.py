@@ -292,7 +292,7 @@ def report(results: dict[str, Any], out: Path | None) -> None:
         row["verdict"] == verdict.PASS for row in results["targets"].values()
     )
     results["machine"] = machine()
-    out = out or ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}.json"
+    out = out or harness.results_path()
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_tables(results)
     print(f"written: {out}")
@@ -337,7 +337,7 @@ def print_tables(results: dict[str, Any]) -> None:
 
 def write_soak(results: dict[str, Any], out: Path | None) -> None:
     results["machine"] = machine()
-    out = out or ROOT / "bench" / "results" / f"soak-{dt.date.today().isoformat()}.json"
+    out = out or harness.results_path("soak-")
     out.write_text(json.dumps(results, indent=2) + "\n")
     soak.print_soak(results)
     print(f"written: {out}")
