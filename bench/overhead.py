@@ -13,7 +13,7 @@ gateway of an earlier revision as well. The gateways are pinned to CPU 0; the ng
 upstream nginx, wrk, the simulator and the client share CPU 1 (--nginx-cpu 0 moves the hop).
 Streams come from the simulator with zero delays, straight and through every hop. The
 targets are ratios against the nginx hop and the baseline, measured in the same run.
-Results: bench/results/<date>.json and a table on stdout.
+Results: bench/results/<date>.json (<date>-2.json and on: never overwritten) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def main() -> None:
             "nginx_hop_cpu": args.nginx_cpu,
             "redis_cpu": args.redis_cpu,
             "stream_client_until_first_byte": "SCHED_FIFO" if streams.prompt_client() else "normal",
+            "stream_connections": args.stream_connections,
         }
         report(results, args.out)
 
@@ -121,6 +122,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=200, help="per target and round")
+    parser.add_argument(
+        "--stream-connections", choices=streams.CONNECTIONS, default="kept",
+        help="each target's streams over one kept-alive connection, or a new one each "
+        "(bench/streams.py; default %(default)s)",
+    )  # fmt: skip
     parser.add_argument(
         "--baseline", metavar="REV",
         help="a git revision whose `gateway serve` runs as a second target (default: none)",
@@ -140,7 +146,9 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--soak", type=int, metavar="SECONDS", help="only the RSS soak at c=32")
     parser.add_argument("--soak-every", type=float, default=10, help="seconds between samples")
-    parser.add_argument("--out", type=Path, help="results file (default bench/results/<date>.json)")
+    parser.add_argument(
+        "--out", type=Path, help="results file (default bench/results/<date>.json, or -2, ...)"
+    )
     return parser.parse_args()
 
 
@@ -201,7 +209,7 @@ def measure(tmp: Path, hops: list[Hop], script: Path, args: Any) -> dict[str, An
             run = harness.wrk(url(hop), script, 1, max(3, args.seconds // 2))
             c1[hop.name].append((run.p50_ms, run.p99_ms))
         for hop in order:
-            time_streams(hop, args.streams, timings[hop.name])
+            time_streams(hop, args.streams, timings[hop.name], args.stream_connections)
     results = summarise(args.rounds, c32, c1)
     results["stream_64_chunks"] = {name: t.summary() for name, t in timings.items()}
     gw = next(hop.proc for hop in hops if hop.name == "gateway" and hop.proc)
@@ -218,10 +226,10 @@ def url(hop: Hop) -> str:
     return f"http://127.0.0.1:{hop.port}{PATH}"
 
 
-def time_streams(hop: Hop, n: int, into: streams.Timings) -> None:
+def time_streams(hop: Hop, n: int, into: streams.Timings, connection: str) -> None:
     """n 64-chunk streams from the simulator, through the hop (direct: none)."""
     body = json.dumps({"model": hop.stream_model, "prompt": "x", "stream": True})
-    request = streams.request("127.0.0.1", PATH, body.encode(), KEY)
+    request = streams.request("127.0.0.1", PATH, body.encode(), KEY, connection)
     streams.time_streams("127.0.0.1", hop.stream_port, request, n, into, int(harness.OTHERS_CPU))
 
 

@@ -1,5 +1,12 @@
-"""Timing streamed completions from the client's side: a raw socket, a new connection each,
-the first `data:` byte and the last byte (bench/overhead.py).
+"""Timing streamed completions from the client's side: a raw socket, the first `data:` byte
+and the last byte (bench/overhead.py).
+
+Each target's streams go over one kept-alive connection (`kept`, the default), as an OpenAI
+SDK's do, and every hop keeps its own connections to the simulator: so no figure holds a
+connection's set-up and "added" is what the hop adds to a stream. With a new connection
+each (`new`, the figures before 2026-12-02), the straight run paid the simulator's accept of
+every connection, which the hops, pooling theirs, did not: nginx's added TTFB read as low
+as -0.085 ms, its noise, and the ratio to it was n/a or anything up to 93.
 
 Until its first `data:` byte the client runs at a real-time priority (SCHED_FIFO, when the
 process may: root or CAP_SYS_NICE), then at the normal one again. It shares its CPU with the
@@ -44,10 +51,16 @@ def _p50_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 3)
 
 
-def request(host: str, path: str, body: bytes, key: str) -> bytes:
+CONNECTIONS = ("kept", "new")
+_LAST_CHUNK = b"\r\n0\r\n\r\n"  # the end of a chunked body
+
+
+def request(host: str, path: str, body: bytes, key: str, connection: str = "kept") -> bytes:
+    header = "keep-alive" if connection == "kept" else "close"
     return (
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {key}\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Authorization: Bearer {key}\r\nConnection: {header}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 
@@ -64,44 +77,70 @@ def _prompt(on: bool) -> bool:
     return True
 
 
-async def _one(host: str, port: int, request: bytes) -> tuple[float, float, float]:
-    _prompt(True)
-    try:
-        return await _read_one(host, port, request)
-    finally:
-        _prompt(False)
+class _Client:
+    """One target's connection: kept across its streams, or a new one for each (the
+    request's `Connection` header says which); timed from the request's write."""
 
+    def __init__(self, host: str, port: int, request: bytes) -> None:
+        self._host, self._port, self._request = host, port, request
+        self._kept = b"Connection: keep-alive" in request
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-async def _read_one(host: str, port: int, request: bytes) -> tuple[float, float, float]:
-    start = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(request)
-    first = None
-    last = start
-    widest = 0.0
-    data = b""
-    while chunk := await reader.read(65536):
-        now = time.perf_counter()
-        data += chunk
-        if first is None and b"data:" in data:
-            first = now
+    async def one(self) -> tuple[float, float, float]:
+        _prompt(True)
+        try:
+            return await self._read_one()
+        finally:
             _prompt(False)
-        elif first is not None:
-            widest = max(widest, now - last)
-        last = now
-    writer.close()
-    if b"[DONE]" not in data:
-        raise RuntimeError(f"stream did not finish: {data[-300:]!r}")
-    return (first or last) - start, last - start, widest
+
+    async def _read_one(self) -> tuple[float, float, float]:
+        start = time.perf_counter()
+        if self._streams is None:  # always so for `new`; for `kept`, the first (warm-up) only
+            self._streams = await asyncio.open_connection(self._host, self._port)
+        reader, writer = self._streams
+        writer.write(self._request)
+        first = None
+        last = start
+        widest = 0.0
+        data = b""
+        closed = False
+        while not (self._kept and data.endswith(_LAST_CHUNK) and b"[DONE]" in data):
+            chunk = await reader.read(65536)
+            if not chunk:
+                closed = True
+                break
+            now = time.perf_counter()
+            data += chunk
+            if first is None and b"data:" in data:
+                first = now
+                _prompt(False)
+            elif first is not None:
+                widest = max(widest, now - last)
+            last = now
+        if not self._kept or closed:
+            writer.close()
+            self._streams = None
+        if b"[DONE]" not in data:
+            raise RuntimeError(f"stream did not finish: {data[-300:]!r}")
+        return (first or last) - start, last - start, widest
+
+    def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
 
 
 async def _timed(host: str, port: int, request: bytes, n: int, into: Timings) -> None:
-    for i in range(n + WARM_UP):
-        first, total, widest = await _one(host, port, request)
-        if i >= WARM_UP:
-            into.firsts.append(first)
-            into.totals.append(total)
-            into.gaps.append(widest)
+    client = _Client(host, port, request)
+    try:
+        for i in range(n + WARM_UP):
+            first, total, widest = await client.one()
+            if i >= WARM_UP:
+                into.firsts.append(first)
+                into.totals.append(total)
+                into.gaps.append(widest)
+    finally:
+        client.close()
 
 
 def prompt_client() -> bool:
