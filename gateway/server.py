@@ -63,7 +63,33 @@ def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
     )
 
 
-class _DrainingServer(uvicorn.Server):
+# A forced stop's last wait for the requests it cut short (each answers, records and
+# releases in its own handlers, none of which waits on the network for long).
+FORCED_CUT_S = 5.0
+
+
+class _ForcedStopServer(uvicorn.Server):
+    """uvicorn's server, whose forced stop (a second signal) still ends the gateway whole.
+
+    Forced, uvicorn stops waiting for requests in flight and returns without cancelling
+    them or running the lifespan shutdown: `asyncio.run` then cancelled what was left, each
+    lifespan logged a `CancelledError` traceback, and the records handed back but not yet
+    written were neither awaited nor spooled. Here the requests are cut short at once, as
+    at the grace's end, and the lifespan shutdown runs as after a drain."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        tasks = list(self.server_state.tasks)
+        for task in tasks:
+            task.cancel(msg="forced stop")
+        if tasks:
+            await asyncio.wait(tasks, timeout=FORCED_CUT_S)
+        await self.lifespan.shutdown()
+
+
+class _DrainingServer(_ForcedStopServer):
     """uvicorn's server, telling the app first when a stop signal arrives."""
 
     def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None] | None) -> None:
@@ -71,7 +97,7 @@ class _DrainingServer(uvicorn.Server):
         self._on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._on_stop is not None:
+        if self._on_stop is not None and not self.should_exit:
             self._on_stop()
         super().handle_exit(sig, frame)
 
@@ -113,7 +139,7 @@ class StartupFailed(Exception):
     """An app's lifespan startup failed (uvicorn says so with sys.exit)."""
 
 
-class _QuietServer(uvicorn.Server):
+class _QuietServer(_ForcedStopServer):
     """A server that leaves signals to its owner, so several can share one loop."""
 
     @contextmanager

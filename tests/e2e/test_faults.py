@@ -581,6 +581,58 @@ async def test_sigterm_turns_waiters_away_and_tells_those_cut_at_the_grace(fleet
     await assert_clean(fleet)
 
 
+@SINGLE
+async def test_a_second_signal_cuts_the_requests_short_at_once_and_loses_nothing(
+    fleet: Fleet,
+) -> None:
+    """SIGTERM, then SIGINT: uvicorn's forced stop, no more waiting for the grace. The
+    requests in flight are cut short at once as at the grace's end (told `shutting_down`),
+    their records are written and their slots released by the gateway itself, not left to
+    expire, and its shutdown runs whole: exit code 0 and no traceback in its log."""
+    doomed = procs.gateway(fleet.tmp, fleet.config + "shutdown_grace_s: 60\n")
+    stream_id, plain_id = rid("forced"), rid("forced")
+    headers = {**auth(KEY), "x-request-id": stream_id}
+    body = {"model": "q", "prompt": "x", "stream": True}
+    try:
+        async with (
+            httpx.AsyncClient(base_url=doomed.url, timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=body, headers=headers) as r,
+        ):
+            chunks = r.aiter_bytes()
+            first = await anext(chunks)
+            plain = asyncio.create_task(post(doomed.url, "m", rid=plain_id, max_tokens=4000))
+            waiter = asyncio.create_task(post(doomed.url, "q", rid=rid("forced-waiter")))
+            await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
+            await until(lambda: _busy(fleet.workers, 1), "the plain request at its worker", 5)
+            assert doomed.popen is not None
+            doomed.popen.send_signal(signal.SIGTERM)
+            turned_away = await asyncio.wait_for(waiter, SLACK_S)  # the first signal is in
+            assert turned_away.status_code == 503, turned_away.text
+            doomed.popen.send_signal(signal.SIGINT)
+            rest = b"".join([first] + [c async for c in _within(chunks, SLACK_S)])
+        cut = await asyncio.wait_for(plain, SLACK_S)
+        assert doomed.popen.wait(timeout=SLACK_S) == 0
+        # Released by the gateway before it exited: its leases (3 s) have not expired yet.
+        assert await leftovers(fleet.url, ("m", "q")) == []
+    finally:
+        doomed.stop(signal.SIGKILL)
+    assert b'"shutting_down"' in rest and not rest.rstrip().endswith(b"[DONE]")
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
+    await assert_records(fleet, f"faults-{RUN}-forced-", {stream_id, plain_id})
+    log = doomed.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+async def _within(chunks: AsyncIterator[bytes], limit_s: float) -> AsyncIterator[bytes]:
+    """The rest of a stream, which must end within `limit_s` in all."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            yield await asyncio.wait_for(anext(chunks), max(0.0, deadline - time.monotonic()))
+        except StopAsyncIteration:
+            return
+
+
 async def _sigterm_under_load(
     fleet: Fleet, doomed: procs.Proc, grace_s: float
 ) -> tuple[str, str, bytes, httpx.Response]:
