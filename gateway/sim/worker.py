@@ -142,7 +142,17 @@ class SimApp:
         if handler is None:
             await _send_json(send, 405, {"detail": "Method Not Allowed"})
             return
-        await handler(scope, receive, send)
+        tracked = _Tracked(send)
+        try:
+            await handler(scope, receive, tracked)
+        except asyncio.CancelledError:
+            # Its server's forced stop (a second signal) cancels a request in flight: it
+            # ends as a stopping worker ends it (a 503, or the stream's end), not as an
+            # exception uvicorn logs with its traceback.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            await tracked.end()
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, chat=False)
@@ -387,6 +397,31 @@ def _start(status: int, content_type: bytes | None, content_length: int | None =
 
 def _chunk(event: bytes) -> Message:
     return {"type": "http.response.body", "body": event, "more_body": True}
+
+
+class _Tracked:
+    """A request's `send`, remembering how far its answer got."""
+
+    __slots__ = ("_send", "ended", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = self.ended = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+    async def end(self) -> None:
+        """The answer cut short: a 503 if nothing was sent, else the end of its body."""
+        if not self.started:
+            message = "The simulated worker is shutting down."
+            await _send_json(self, 503, error_body(503, "ServiceUnavailableError", message))
+        elif not self.ended:
+            await self({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _send_json(send: Send, status: int, payload: object) -> None:
