@@ -280,7 +280,10 @@ def outages(
             continue
         count += 1
         if not any(a <= out.answered and out.sent <= b for a, b in spells):
-            bad.append(f"{out.spec.rid}: 503 at {out.answered - t0:.3f}s, Redis was well")
+            bad.append(
+                f"{out.spec.rid}: 503 at {out.answered - t0:.3f}s (sent at {out.sent - t0:.3f}s) "
+                f"from {out.replica.name}, Redis was well: {out.message}"
+            )
     return count, bad
 
 

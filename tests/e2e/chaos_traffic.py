@@ -51,6 +51,7 @@ class Outcome:
     answered: float = 0.0  # when the status came (a stream's first event)
     # The error code of a non-2xx answer; without an answer: hangup, connection or timeout.
     code: str = ""
+    message: str = ""  # the error's message of a non-2xx answer (what the gateway said)
     completed: bool = False  # a 2xx read to its end ([DONE] for a stream)
 
 
@@ -175,7 +176,7 @@ class Driver:
         try:
             out.status, out.answered = response.status_code, time.monotonic()
             if response.status_code != 200:
-                out.code = _code(await response.aread())
+                out.code, out.message = _error(await response.aread())
             elif spec.stream:
                 async for line in response.aiter_lines():
                     if line == "data: [DONE]":
@@ -205,6 +206,7 @@ class Driver:
         except openai.APIStatusError as exc:
             out.status, out.answered = exc.status_code, time.monotonic()
             out.code = str(getattr(exc, "code", "") or "")
+            out.message = str(getattr(exc, "message", "") or "")
             return
         out.status, out.answered = raw.status_code, time.monotonic()
         out.completed = bool(raw.parse().choices)
@@ -224,9 +226,10 @@ class Driver:
         return client
 
 
-def _code(body: bytes) -> str:
+def _error(body: bytes) -> tuple[str, str]:
+    """The error's code and message."""
     try:
         error = json.loads(body).get("error") or {}
     except (ValueError, AttributeError):
-        return "unparsable"
-    return str(error.get("code") or "")
+        return "unparsable", body[:200].decode(errors="replace")
+    return str(error.get("code") or ""), str(error.get("message") or "")[:200]
