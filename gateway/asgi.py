@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError, PayloadTooLarge, RequestInvalid
-from gateway.protocol import write_answer
+from gateway.protocol import write_answer, write_stream_start
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -125,6 +125,18 @@ class Reply:
         length = (b"content-length", str(len(body)).encode("latin-1"))
         await self({"type": "http.response.start", "status": status, "headers": [length, *headers]})
         await self({"type": "http.response.body", "body": body})
+
+    async def start_stream(
+        self, status: int, headers: list[tuple[bytes, bytes]], first: bytes
+    ) -> None:
+        """The head of a stream and its first part (`first`, may be empty): in one write
+        where the server allows (gateway/protocol.py); more parts follow through `self`."""
+        if await write_stream_start(self._send, status, headers, first):
+            self.started = True
+            return
+        await self({"type": "http.response.start", "status": status, "headers": headers})
+        if first:
+            await self({"type": "http.response.body", "body": first, "more_body": True})
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.answer import StreamRewriter, error_event, rewrite_answer, worker_error
-from gateway.asgi import ClientGone, Send, send_error, send_json
+from gateway.asgi import ClientGone, Reply, send_error, send_json
 from gateway.body import dumps
 from gateway.errors import (
     GatewayError,
@@ -47,7 +47,7 @@ class Hop:
         admitted: Admitted,
         path: str,
         payload: Mapping[str, Any],
-        send: Send,
+        send: Reply,
     ) -> None:
         self._state = state
         self._exchange = exchange
@@ -161,21 +161,27 @@ class Hop:
             return
         rid = exchange.rid.encode("latin-1")
         headers = [*_SSE_HEADERS, (b"x-request-id", rid)]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: GatewayError | None = None
         try:
             out = rewriter.feed(first)
-            while True:
-                if out:
-                    if exchange.first_byte is None:
-                        exchange.first_byte = time.perf_counter()
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except (GatewayError, RoutingError) as exc:
+            out, failure = b"", _answer(exc)
+        if out:
+            exchange.first_byte = time.perf_counter()
+        try:
+            # The head and the first event in one write (gateway/protocol.py).
+            await send.start_stream(200, headers, out)
+            while failure is None:
                 if rewriter.done or rewriter.error is not None:
                     break
                 chunk = await anext(chunks, None)
                 if chunk is None:
                     break
                 out = rewriter.feed(chunk)
+                if out:
+                    if exchange.first_byte is None:
+                        exchange.first_byte = time.perf_counter()
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
         except (GatewayError, RoutingError) as exc:
             failure = _answer(exc)
         except OSError as exc:  # the server could not write to the caller: it is gone

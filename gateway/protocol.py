@@ -18,7 +18,8 @@ the caller waits on `receive` as before. Both measured in bench/README.md.
 A whole answer (status, headers and a body known in full: every non-streamed answer of the
 hot routes) goes out through `write_answer`: one bytes join and one write, with the
 request cycle's bookkeeping done as its ASGI `send` would, instead of two `send` messages
-(a head held back, then joined). Measured in bench/README.md.
+(a head held back, then joined). Measured in bench/README.md. A stream's head and first
+event go out alike through `write_stream_start` (its later events through `send`).
 """
 
 from __future__ import annotations
@@ -199,15 +200,71 @@ async def write_answer(
     whose ASGI `send` this is, as that `send` would with a start and a body message. False
     when it cannot (another server, an answer already begun, a HEAD, uvicorn's access log
     on): nothing is sent then and the caller sends the two messages."""
+    found = _cycle_of(send)
+    if found is None:
+        return False
+    cycle, transport = found
+    parts = await _head(cycle, status, headers)
+    if parts is None:
+        return True  # as uvicorn's send: an answer to no one is dropped
+    parts += (b"content-length: %d\r\n\r\n" % len(body), body)
+    transport.write_whole(b"".join(parts))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+
+
+async def write_stream_start(
+    send: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]], first: bytes
+) -> bool:
+    """Begin a chunked answer (a stream) with its first part in one write, as the ASGI
+    `send` would with a start message and a body message of `first` with more to come; the
+    rest goes through `send` as usual. False when it cannot (as `write_answer`): nothing is
+    sent then. An empty `first` sends the head alone, held until the next write."""
+    found = _cycle_of(send)
+    if found is None:
+        return False
+    cycle, transport = found
+    parts = await _head(cycle, status, headers)
+    if parts is None:
+        return True
+    cycle.chunked_encoding = True
+    parts.append(b"transfer-encoding: chunked\r\n\r\n")
+    if first:
+        parts += (b"%x\r\n" % len(first), first, b"\r\n")
+        transport.write_whole(b"".join(parts))
+    else:
+        transport.write(b"".join(parts))
+    return True
+
+
+def _cycle_of(
+    send: Callable[..., Any],
+) -> tuple[RequestResponseCycle, HeadJoiningTransport] | None:
+    """The request cycle whose `send` this is and its transport, if its answer can be
+    written here."""
     cycle = getattr(send, "__self__", None)
+    if not isinstance(cycle, RequestResponseCycle):
+        return None
+    transport = cycle.transport
     if (
-        not isinstance(cycle, RequestResponseCycle)
-        or not isinstance(cycle.transport, HeadJoiningTransport)
+        not isinstance(transport, HeadJoiningTransport)
         or cycle.response_started
         or cycle.access_log
         or cycle.scope["method"] == "HEAD"
     ):
-        return False
+        return None
+    return cycle, transport
+
+
+async def _head(
+    cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]]
+) -> list[bytes] | None:
+    """The head's parts but its framing header and blank line, the cycle marked started;
+    None (nothing marked) when the caller is gone. Headers are checked before anything."""
     parts = [STATUS_LINE[status]]
     for name, value in (*cycle.default_headers, *headers):
         if (name not in _GOOD_NAMES and not _good_name(name)) or HEADER_VALUE_RE.search(value):
@@ -216,19 +273,12 @@ async def write_answer(
     if cycle.flow.write_paused and not cycle.disconnected:
         await cycle.flow.drain()
     if cycle.disconnected:
-        return True  # as uvicorn's send: an answer to no one is dropped
+        return None
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     if not cycle.keep_alive:
         parts.append(b"connection: close\r\n")
-    parts += (b"content-length: %d\r\n\r\n" % len(body), body)
-    cycle.transport.write_whole(b"".join(parts))
-    cycle.response_complete = True
-    cycle.message_event.set()
-    if not cycle.keep_alive:
-        cycle.transport.close()
-    cycle.on_response()
-    return True
+    return parts
 
 
 # Header names `write_answer` found valid: the gateway's own, a handful (bounded all the same).

@@ -10,7 +10,7 @@ import fakeredis
 import orjson
 import pytest
 
-from gateway.asgi import Message
+from gateway.asgi import Message, Reply
 from gateway.exchange import Exchange, Usage
 from gateway.hop import Hop
 from gateway.settings import parse_config
@@ -91,7 +91,7 @@ async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[M
         sent.append(message)
 
     exchange = Exchange("rid-1", time.perf_counter(), False, True, Usage())
-    await Hop(state, exchange, admitted, "/v1/completions", {}, send).run()
+    await Hop(state, exchange, admitted, "/v1/completions", {}, Reply(send)).run()
     return exchange, sent
 
 

@@ -6,6 +6,7 @@ import asyncio
 import socket
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 
@@ -16,6 +17,7 @@ from gateway.protocol import (
     forget_disconnect,
     on_disconnect,
     write_answer,
+    write_stream_start,
 )
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
@@ -341,3 +343,61 @@ async def test_an_idle_connection_closes_a_keep_alive_timeout_after_its_last_ans
         await asyncio.wait_for(task, 10)
     assert app.results == [True, True, True]
     assert idle >= 0.9  # not before the timeout after the last answer
+
+
+class _StreamApp:
+    """Streams `first` (through `write_stream_start`) then two more parts (through `send`),
+    recording each socket write."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.results: list[bool] = []
+        self.writes: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        transport = send.__self__.transport
+        if not isinstance(transport._transport, _Counting):
+            transport._transport = _Counting(transport._transport, self.writes)
+        head = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r1")]
+        self.results.append(await write_stream_start(send, 200, head, self.first))
+        for part in (b"data: 2\n\n", b"data: [DONE]\n\n"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+@pytest.mark.parametrize("first", [b"data: 1\n\n", b""])
+async def test_a_stream_starts_with_its_head_and_first_part_in_one_write(first: bytes) -> None:
+    """Chunked as uvicorn frames it, the connection kept: a client reads two streams on it.
+    An empty first part sends the head alone, held and joined to the next part."""
+    app = _StreamApp(first)
+    server, task, port = await _serving(app)  # type: ignore[arg-type]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answers = [await client.post("/x", content=b"") for _ in range(2)]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert app.results == [True, True]
+    for answer in answers:
+        assert answer.status_code == 200 and answer.headers["x-request-id"] == "r1"
+        assert answer.headers["transfer-encoding"] == "chunked"
+        assert answer.text == first.decode() + "data: 2\n\ndata: [DONE]\n\n"
+    opening = app.writes[0]
+    assert opening.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked\r\n\r\n" in opening
+    part = first or b"data: 2\n\n"  # the head waited for the next write
+    assert opening.endswith(b"\r\n\r\n%x\r\n%s\r\n" % (len(part), part))
+    # Per stream: the opening, each later part, the end.
+    assert len(app.writes) == 2 * (4 if first else 3)
+
+
+async def test_write_stream_start_declines_on_another_server() -> None:
+    sent: list[Any] = []
+
+    async def plain_send(message: Any) -> None:
+        sent.append(message)
+
+    assert await write_stream_start(plain_send, 200, [], b"data: 1\n\n") is False
+    assert sent == []
