@@ -108,6 +108,11 @@ class CompletionRoute:
             state.metrics.requests_of("", "", str(exc.status)).inc()
             await send_error(reply, exc, rid)
             return
+        except asyncio.CancelledError:  # the server's stop cut it short while it was read
+            _uncancel()
+            state.metrics.requests_of("", "", "503").inc()
+            await _end_with(_shut_down(), rid, reply, stream=False)
+            return
         wanted = requested_tier(request.service_tier, headers.service_tier)
         parsed = Parsed(rid, started, account, payload, request, wanted, headers.source, note)
         options = request.stream_options
@@ -263,17 +268,26 @@ async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
     """The server cancelled the request: its graceful shutdown ran out of time. The caller
     is told so (a 503 `shutting_down`, or an SSE error event ending a started stream)
     rather than cut off, and the record says what it got."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()  # answered here: the request ends normally
+    _uncancel()
     exchange.finished = True
-    error = ServiceUnavailable(
-        "The gateway shut down before the answer was complete.",
-        reason=UnavailableReason.SHUTTING_DOWN,
-    )
+    error = _shut_down()
     if not reply.ended:
         exchange.status = error.status
     await _end_with(error, rid, reply, exchange.stream)
+
+
+def _uncancel() -> None:
+    """The cancel is answered here: the request ends normally."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+def _shut_down() -> ServiceUnavailable:
+    return ServiceUnavailable(
+        "The gateway shut down before the answer was complete.",
+        reason=UnavailableReason.SHUTTING_DOWN,
+    )
 
 
 async def _end_with(error: GatewayError, rid: str, reply: Reply, stream: bool) -> bool:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import FrameType
 
 import uvicorn
@@ -24,6 +25,8 @@ except ImportError:  # pragma: no cover
     LOOP = "asyncio"
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+log = logging.getLogger("gateway")
 
 # The cyclic collector's thresholds once a server has started (CPython's are 700, 10, 10).
 # A request leaves no reference cycle behind (measured: about 400 unreachable objects after
@@ -46,9 +49,19 @@ def settle_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
+class ServerConfig(uvicorn.Config):
+    """uvicorn's config, with the stop's grace in seconds (uvicorn's own takes whole
+    seconds, and reads 0 as for ever)."""
+
+    def __init__(self, app: object, grace_s: float, **options: object) -> None:
+        super().__init__(app, **options)  # type: ignore[arg-type]
+        self.grace_s = grace_s
+
+
+def server_config(app: object, grace_s: float = 30) -> ServerConfig:
+    return ServerConfig(
+        app,
+        grace_s,
         loop=LOOP,
         http=GatewayProtocol,  # httptools, each answer in one write (gateway.protocol.py)
         lifespan="on",
@@ -59,34 +72,57 @@ def server_config(app: object, grace_s: float = 30) -> uvicorn.Config:
         # The gateway reads no client address or scheme from the scope: uvicorn's
         # X-Forwarded-* rewriting (a middleware on every request) has nothing to feed.
         proxy_headers=False,
-        timeout_graceful_shutdown=int(grace_s) or None,
     )
 
 
-# A forced stop's last wait for the requests it cut short (each answers, records and
-# releases in its own handlers, none of which waits on the network for long).
-FORCED_CUT_S = 5.0
+# The wait for the requests a stop cut short (each answers, records and releases in its own
+# handlers), and after it, once the connections of those still writing to a caller that
+# does not read were dropped (which ends their writes), the last wait.
+CUT_WAIT_S = 5.0
+DROPPED_WAIT_S = 1.0
 
 
 class _ForcedStopServer(uvicorn.Server):
-    """uvicorn's server, whose forced stop (a second signal) still ends the gateway whole.
+    """uvicorn's server, whose stop ends the gateway whole, however it ends.
 
-    Forced, uvicorn stops waiting for requests in flight and returns without cancelling
-    them or running the lifespan shutdown: `asyncio.run` then cancelled what was left, each
-    lifespan logged a `CancelledError` traceback, and the records handed back but not yet
-    written were neither awaited nor spooled. Here the requests are cut short at once, as
-    at the grace's end, and the lifespan shutdown runs as after a drain."""
+    uvicorn stops accepting and lets the requests in flight finish for the grace; what it
+    does after differs from what the gateway needs. At the grace's end it cancelled the
+    requests and ran the lifespan shutdown at once, without waiting for them to answer,
+    record and release; forced (a second signal) it returned without cancelling them or
+    running the lifespan shutdown: `asyncio.run` then cancelled what was left, each lifespan
+    logged a `CancelledError` traceback, and records handed back but not yet written were
+    neither awaited nor spooled. Here both ends are one: the requests still running are
+    cut short (told `shutting_down`, recorded, released) and waited for, a caller that
+    does not read loses its connection, and the lifespan shutdown runs once."""
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
-        if not self.force_exit:
-            return
-        tasks = list(self.server_state.tasks)
-        for task in tasks:
-            task.cancel(msg="forced stop")
-        if tasks:
-            await asyncio.wait(tasks, timeout=FORCED_CUT_S)
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # idle keep-alive connections close; busy ones at their end
+        await asyncio.sleep(0.1)
+        grace = self.config.grace_s if isinstance(self.config, ServerConfig) else None
+        with suppress(TimeoutError):  # the grace is over
+            # Returns early if a second signal forces the stop (uvicorn's force_exit).
+            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout=grace)
+        await self._cut_short()
         await self.lifespan.shutdown()
+
+    async def _cut_short(self) -> None:
+        tasks = list(self.server_state.tasks)
+        if not tasks:
+            return
+        why = "forced" if self.force_exit else "the grace is over"
+        log.warning("stopping (%s): cutting %d requests short", why, len(tasks))
+        for task in tasks:
+            task.cancel(msg="stopping")
+        _, left = await asyncio.wait(tasks, timeout=CUT_WAIT_S)
+        if left:
+            for connection in list(self.server_state.connections):
+                connection.transport.abort()
+            await asyncio.wait(left, timeout=DROPPED_WAIT_S)
 
 
 class _DrainingServer(_ForcedStopServer):
@@ -97,7 +133,9 @@ class _DrainingServer(_ForcedStopServer):
         self._on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._on_stop is not None and not self.should_exit:
+        if self.should_exit:
+            self.force_exit = True  # a second signal, whichever (uvicorn forces on SIGINT only)
+        elif self._on_stop is not None:
             self._on_stop()
         super().handle_exit(sig, frame)
 
