@@ -198,22 +198,29 @@ async def serve_together(
     on_ready: Callable[[], None] | None = None,
 ) -> None:
     """Run several servers in this loop until SIGINT or SIGTERM, or until one of them
-    ends or fails (then all stop; a failure is raised). A second signal stops at once."""
+    ends or fails (then all stop; a failure is raised). On a signal the last of `apps`, the
+    front whose requests use the others, stops first and the rest once it has ended (else
+    the demo's workers broke the gateway's streams under it); a second signal forces every
+    stop (the front cuts its requests short, telling their callers so)."""
     servers = [_QuietServer(config) for config, _ in apps]
     loop = asyncio.get_running_loop()
     tasks = [
         loop.create_task(server.serve([sock]))
         for server, (_, sock) in zip(servers, apps, strict=True)
     ]
+    forced = False
 
     def stop() -> None:
-        again = any(s.should_exit for s in servers)
+        nonlocal forced
+        front = servers[-1]
+        if not front.should_exit:
+            front.should_exit = True
+            return
+        forced = True
         for server, task in zip(servers, tasks, strict=True):
-            server.should_exit = True
-            if again:
-                server.force_exit = True  # no more waiting for connections in flight
-                if not server.started:
-                    task.cancel()  # a startup that does not end
+            server.force_exit = server.should_exit  # those not stopping yet keep serving
+            if not server.started:
+                task.cancel()  # a startup that does not end
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop)
@@ -225,6 +232,7 @@ async def serve_together(
     finally:
         for server in servers:
             server.should_exit = True
+            server.force_exit = server.force_exit or forced
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)

@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.redis_server import wait_started
@@ -63,8 +65,9 @@ def refused(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_signal_ends_the_demo_and_its_workers(sig: int, tmp_path: Path) -> None:
+@contextmanager
+def demo_running(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """`gateway demo` on a free port, its banner printed; killed at the end whatever."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,13 +83,44 @@ def test_a_stop_signal_ends_the_demo_and_its_workers(sig: int, tmp_path: Path) -
         wait_started(
             demo, lambda: "Ctrl-C stops" in out.read_text(), "gateway demo", out.read_text, 20.0
         )
+        yield demo, port, out
+    finally:
+        demo.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_the_demo_and_its_workers(sig: int, tmp_path: Path) -> None:
+    with demo_running(tmp_path) as (demo, port, out):
         found = re.search(r"simulated workers on ports (\d+) and (\d+)", out.read_text())
         assert found is not None
         ports = [port, int(found[1]), int(found[2])]
         assert not any(refused(p) for p in ports)  # all three were serving
         demo.send_signal(sig)
         assert demo.wait(timeout=BOUND_S) == 0
-    finally:
-        demo.kill()
     assert all(refused(p) for p in ports)
+    assert "Traceback" not in out.read_text()
+
+
+def test_a_forced_demo_stop_tells_a_stream_in_flight_the_gateway_stopped(tmp_path: Path) -> None:
+    """Ctrl-C twice while a stream runs: the gateway stops first and cuts it short, so its
+    caller is told `shutting_down`; the workers, stopped with it, broke the stream under it
+    first as often as not (`upstream_stream_broken`)."""
+    with demo_running(tmp_path) as (demo, port, out):
+        found = re.search(r"demo key: (\S+)", out.read_text())
+        assert found is not None
+        body = {"model": "demo/llama-3-8b", "prompt": "x", "stream": True}
+        headers = {"authorization": f"Bearer {found[1]}"}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=BOUND_S) as answer:
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            demo.send_signal(signal.SIGINT)
+            # Taken (no event crosses the process: polled): the gateway stopped accepting.
+            wait_started(demo, lambda: refused(port), "the first stop", out.read_text, 10.0)
+            demo.send_signal(signal.SIGINT)
+            rest = list(lines)
+        assert demo.wait(timeout=BOUND_S) == 0
+    assert answer.status_code == 200 and "[DONE]" not in first
+    events = [line for line in rest if line.startswith("data: ")]
+    assert events and '"shutting_down"' in events[-1], rest
     assert "Traceback" not in out.read_text()
