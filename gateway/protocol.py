@@ -200,11 +200,10 @@ async def write_answer(
     whose ASGI `send` this is, as that `send` would with a start and a body message. False
     when it cannot (another server, an answer already begun, a HEAD, uvicorn's access log
     on): nothing is sent then and the caller sends the two messages."""
-    found = _cycle_of(send)
-    if found is None:
+    begun = await _begin(send, status, headers)
+    if begun is None:
         return False
-    cycle, transport = found
-    parts = await _head(cycle, status, headers)
+    cycle, transport, parts = begun
     if parts is None:
         return True  # as uvicorn's send: an answer to no one is dropped
     parts += (b"content-length: %d\r\n\r\n" % len(body), body)
@@ -224,11 +223,10 @@ async def write_stream_start(
     `send` would with a start message and a body message of `first` with more to come; the
     rest goes through `send` as usual. False when it cannot (as `write_answer`): nothing is
     sent then. An empty `first` sends the head alone, held until the next write."""
-    found = _cycle_of(send)
-    if found is None:
+    begun = await _begin(send, status, headers)
+    if begun is None:
         return False
-    cycle, transport = found
-    parts = await _head(cycle, status, headers)
+    cycle, transport, parts = begun
     if parts is None:
         return True
     cycle.chunked_encoding = True
@@ -241,11 +239,11 @@ async def write_stream_start(
     return True
 
 
-def _cycle_of(
-    send: Callable[..., Any],
-) -> tuple[RequestResponseCycle, HeadJoiningTransport] | None:
-    """The request cycle whose `send` this is and its transport, if its answer can be
-    written here."""
+async def _begin(
+    send: Callable[..., Any], status: int, headers: list[tuple[bytes, bytes]]
+) -> tuple[RequestResponseCycle, HeadJoiningTransport, list[bytes] | None] | None:
+    """The request cycle whose `send` this is, its transport and the head's parts (None when
+    the caller is gone); None when the answer cannot be written here."""
     cycle = getattr(send, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle):
         return None
@@ -257,7 +255,7 @@ def _cycle_of(
         or cycle.scope["method"] == "HEAD"
     ):
         return None
-    return cycle, transport
+    return cycle, transport, await _head(cycle, status, headers)
 
 
 async def _head(

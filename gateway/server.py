@@ -15,7 +15,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.protocol import GatewayProtocol
-from gateway.workers import start_heartbeat
+from gateway.workers import in_worker, start_heartbeat
 
 try:  # uvloop is not on every platform; httptools is
     import uvloop  # noqa: F401
@@ -121,7 +121,9 @@ class _ForcedStopServer(uvicorn.Server):
         _, left = await asyncio.wait(tasks, timeout=CUT_WAIT_S)
         if left:
             for connection in list(self.server_state.connections):
-                connection.transport.abort()
+                cycle = getattr(connection, "cycle", None)
+                if cycle is not None and not cycle.response_complete:  # a whole one flushes
+                    connection.transport.abort()
             await asyncio.wait(left, timeout=DROPPED_WAIT_S)
 
 
@@ -133,11 +135,18 @@ class _DrainingServer(_ForcedStopServer):
         self._on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            self.force_exit = True  # a second signal, whichever (uvicorn forces on SIGINT only)
-        elif self._on_stop is not None:
-            self._on_stop()
-        super().handle_exit(sig, frame)
+        # Marked first, in one step: a signal's handler may run inside another's (Python
+        # runs a pending one at the next call), and a nested one must see a stop begun.
+        second, self.should_exit = self.should_exit, True
+        if not second:
+            if self._on_stop is not None:
+                self._on_stop()
+        elif sig == signal.SIGINT or not in_worker():
+            # A second signal, whichever, forces (uvicorn forces on SIGINT only). A worker
+            # of `serve --workers` keeps uvicorn's rule: it gets each stop twice, from the
+            # terminal's Ctrl-C or a service manager and again from its parent (as SIGTERM),
+            # and the parent turns a second stop into SIGINT.
+            self.force_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         start_heartbeat()  # a worker of `serve --workers` tells its parent its loop runs

@@ -226,6 +226,11 @@ class Workers:
                 os.kill(pid, sig)
 
 
+def in_worker() -> bool:
+    """Whether this process is a worker of `serve --workers`."""
+    return _beat_fd is not None
+
+
 def start_heartbeat() -> None:
     """In a worker, as its event loop starts (gateway/server.py): beat every BEAT_S from
     the loop, so that the beats stop when the loop does. Elsewhere, nothing."""

@@ -33,6 +33,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.asgi import Reply as Answer
 from gateway.sim.load import Slots, Span
 from gateway.sim.text import BadRequest, Job, Reply, error_body, make_plan, parse_job
 
@@ -399,21 +400,10 @@ def _chunk(event: bytes) -> Message:
     return {"type": "http.response.body", "body": event, "more_body": True}
 
 
-class _Tracked:
-    """A request's `send`, remembering how far its answer got."""
+class _Tracked(Answer):
+    """A request's `send`, remembering how far its answer got (the gateway's own `Reply`)."""
 
-    __slots__ = ("_send", "ended", "started")
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = self.ended = False
-
-    async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.started = True
-        elif not message.get("more_body", False):
-            self.ended = True
-        await self._send(message)
+    __slots__ = ()
 
     async def end(self) -> None:
         """The answer cut short: a 503 if nothing was sent, else the end of its body."""

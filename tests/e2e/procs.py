@@ -21,6 +21,8 @@ class Proc:
     ready_path: str
     log: Path
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # A process group of its own (a terminal's, as it were): `signal_group` reaches all of it.
+    group: bool = False
 
     @property
     def url(self) -> str:
@@ -34,6 +36,7 @@ class Proc:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=self.group,
             )
         self._wait_ready()
         return self
@@ -49,6 +52,11 @@ class Proc:
             return httpx.get(self.url + self.ready_path, timeout=1.0).status_code < 500
         except httpx.TransportError:
             return False
+
+    def signal_group(self, sig: int) -> None:
+        """`sig` to every process of its group, as a terminal's Ctrl-C sends SIGINT."""
+        assert self.group and self.popen is not None
+        os.killpg(self.popen.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.popen is None or self.popen.poll() is not None:
@@ -67,9 +75,9 @@ def sim(tmp: Path, *extra: str, models: tuple[str, ...] = ("m1",)) -> Proc:
     return Proc(args, port, "/health", tmp / f"sim-{port}.log").start()
 
 
-def gateway(tmp: Path, config_text: str, *extra: str) -> Proc:
+def gateway(tmp: Path, config_text: str, *extra: str, group: bool = False) -> Proc:
     port = free_port()
     config = tmp / f"gateway-{port}.yaml"
     config.write_text(config_text)
     args = ["serve", "--config", str(config), "--port", str(port), "--host", "127.0.0.1", *extra]
-    return Proc(args, port, "/healthz", tmp / f"gateway-{port}.log").start()
+    return Proc(args, port, "/healthz", tmp / f"gateway-{port}.log", group=group).start()

@@ -590,26 +590,15 @@ async def test_a_second_signal_cuts_the_requests_short_at_once_and_loses_nothing
     their records are written and their slots released by the gateway itself, not left to
     expire, and its shutdown runs whole: exit code 0 and no traceback in its log."""
     doomed = procs.gateway(fleet.tmp, fleet.config + "shutdown_grace_s: 60\n")
-    stream_id, plain_id = rid("forced"), rid("forced")
-    headers = {**auth(KEY), "x-request-id": stream_id}
-    body = {"model": "q", "prompt": "x", "stream": True}
     try:
-        async with (
-            httpx.AsyncClient(base_url=doomed.url, timeout=60) as client,
-            client.stream("POST", "/v1/completions", json=body, headers=headers) as r,
-        ):
-            chunks = r.aiter_bytes()
-            first = await anext(chunks)
-            plain = asyncio.create_task(post(doomed.url, "m", rid=plain_id, max_tokens=4000))
-            waiter = asyncio.create_task(post(doomed.url, "q", rid=rid("forced-waiter")))
-            await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
-            await until(lambda: _busy(fleet.workers, 1), "the plain request at its worker", 5)
+        async with _loaded(fleet, doomed, "forced", waiters=1) as load:
             assert doomed.popen is not None
             doomed.popen.send_signal(signal.SIGTERM)
-            turned_away = await asyncio.wait_for(waiter, SLACK_S)  # the first signal is in
+            turned_away = await asyncio.wait_for(load.waiters[0], SLACK_S)  # the first is in
             assert turned_away.status_code == 503, turned_away.text
             doomed.popen.send_signal(signal.SIGINT)
-            rest = b"".join([first] + [c async for c in _within(chunks, SLACK_S)])
+            rest = b"".join([load.first] + [c async for c in _within(load.chunks, SLACK_S)])
+        stream_id, plain_id, plain = load.stream_id, load.plain_id, load.plain
         cut = await asyncio.wait_for(plain, SLACK_S)
         assert doomed.popen.wait(timeout=SLACK_S) == 0
         # Released by the gateway before it exited: its leases (3 s) have not expired yet.
@@ -638,7 +627,36 @@ async def _sigterm_under_load(
 ) -> tuple[str, str, bytes, httpx.Response]:
     """A stream and a plain request running, two waiters queued; SIGTERM. The waiters must
     be turned away at once. Returns the ids, the stream's bytes and the plain answer."""
-    stream_id, plain_id = rid("sigterm"), rid("sigterm")
+    async with _loaded(fleet, doomed, "sigterm", waiters=2) as load:
+        assert doomed.popen is not None
+        doomed.popen.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        turned_away = await asyncio.wait_for(asyncio.gather(*load.waiters), grace_s + SLACK_S)
+        assert time.monotonic() - started < grace_s  # at once, not at the end of the grace
+        for answer in turned_away:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "shutting_down"
+        rest = b"".join([load.first] + [chunk async for chunk in load.chunks])
+    return load.stream_id, load.plain_id, rest, await asyncio.wait_for(load.plain, SLACK_S)
+
+
+@dataclass
+class _Load:
+    stream_id: str
+    plain_id: str
+    chunks: AsyncIterator[bytes]  # the rest of the stream
+    first: bytes  # what the stream had sent when the load was in place
+    plain: asyncio.Task[httpx.Response]
+    waiters: list[asyncio.Task[httpx.Response]]
+
+
+@asynccontextmanager
+async def _loaded(
+    fleet: Fleet, doomed: procs.Proc, test: str, waiters: int
+) -> AsyncIterator[_Load]:
+    """On `doomed`: a stream (its first bytes read) and a plain request running, and
+    `waiters` requests queued behind them, while the block runs."""
+    stream_id, plain_id = rid(test), rid(test)
     headers = {**auth(KEY), "x-request-id": stream_id}
     body = {"model": "q", "prompt": "x", "stream": True}
     async with (
@@ -648,19 +666,13 @@ async def _sigterm_under_load(
         chunks = r.aiter_bytes()
         first = await anext(chunks)
         plain = asyncio.create_task(post(doomed.url, "m", rid=plain_id, max_tokens=4000))
-        waiters = [asyncio.create_task(post(doomed.url, "q", rid=rid("sigterm"))) for _ in range(2)]
-        await until(lambda: _queued(fleet, "q", 2), "the waiters", 5)
+        queued = [
+            asyncio.create_task(post(doomed.url, "q", rid=rid(f"{test}-waiter")))
+            for _ in range(waiters)
+        ]
+        await until(lambda: _queued(fleet, "q", waiters), "the waiters", 5)
         await until(lambda: _busy(fleet.workers, 1), "the plain request at its worker", 5)
-        assert doomed.popen is not None
-        doomed.popen.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        turned_away = await asyncio.wait_for(asyncio.gather(*waiters), grace_s + SLACK_S)
-        assert time.monotonic() - started < grace_s  # at once, not at the end of the grace
-        for answer in turned_away:
-            assert answer.status_code == 503, answer.text
-            assert answer.json()["error"]["code"] == "shutting_down"
-        rest = b"".join([first] + [chunk async for chunk in chunks])
-    return stream_id, plain_id, rest, await asyncio.wait_for(plain, SLACK_S)
+        yield _Load(stream_id, plain_id, chunks, first, plain, queued)
 
 
 async def _busy(workers: list[procs.Proc], running: int) -> bool:

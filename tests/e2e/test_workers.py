@@ -75,7 +75,7 @@ def store(tmp_path: Path) -> Iterator[RedisServer]:
 def serve(sim: procs.Proc, store: RedisServer, tmp_path: Path) -> Iterator[procs.Proc]:
     text = config(sim, store.url, tmp_path / "spool")
     gateway = procs.gateway(
-        tmp_path, text, "--workers", "2", "--access-log", "--log-format", "json"
+        tmp_path, text, "--workers", "2", "--access-log", "--log-format", "json", group=True
     )
     try:
         yield gateway
@@ -190,14 +190,22 @@ def stream(gateway: procs.Proc, rid: str, started: threading.Barrier) -> tuple[i
         return response.status_code, first + b"".join(chunks)
 
 
-def test_sigterm_drains_both_workers(serve: procs.Proc, store: RedisServer) -> None:
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl-c"])
+def test_sigterm_drains_both_workers(serve: procs.Proc, store: RedisServer, ctrl_c: bool) -> None:
+    """SIGTERM to the serve, or a terminal's Ctrl-C (SIGINT to every process of the group):
+    each worker then gets the stop twice, directly and from its parent, which is still one
+    stop (it was a forced one, cutting the streams short at once)."""
     rids = warm_up(serve, "drain-warm")
-    streams = [f"workers-{RUN}-drain-{i}" for i in range(STREAMS)]
+    streams = [f"workers-{RUN}-drain-{ctrl_c:d}-{i}" for i in range(STREAMS)]
     started = threading.Barrier(STREAMS + 1)
     with ThreadPoolExecutor(STREAMS) as pool:
         answers = [pool.submit(stream, serve, rid, started) for rid in streams]
         started.wait(timeout=30)  # every stream has its first bytes: all in flight
-        assert serve.stop(signal.SIGTERM) == 0
+        if ctrl_c:
+            serve.signal_group(signal.SIGINT)
+            assert serve.popen is not None and serve.popen.wait(timeout=30) == 0
+        else:
+            assert serve.stop(signal.SIGTERM) == 0
         results = [a.result(timeout=30) for a in answers]
     assert all(code == 200 and body.rstrip().endswith(b"data: [DONE]") for code, body in results)
     assert len(set(wait_for_log(serve, streams).values())) == 2  # both had streams to drain
@@ -274,7 +282,7 @@ def test_a_stuck_worker_is_killed_and_started_again(
     monkeypatch.setenv("GATEWAY_WORKER_HANG_S", "2")
     text = config(sim, store.url, tmp_path / "spool")
     gateway = procs.gateway(
-        tmp_path, text, "--workers", "2", "--access-log", "--log-format", "json"
+        tmp_path, text, "--workers", "2", "--access-log", "--log-format", "json", group=True
     )
     victim = 0
     try:

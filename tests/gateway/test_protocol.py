@@ -186,10 +186,7 @@ class _WholeApp:
         if scope["type"] != "http":
             return
         await receive()
-        transport = send.__self__.transport
-        inner = transport._transport
-        if not isinstance(inner, _Counting):
-            transport._transport = _Counting(inner, self.writes)
+        _count_writes(send, self.writes)
         try:
             self.results.append(await write_answer(send, 200, self.headers, b'{"a":1}'))
         except RuntimeError as exc:
@@ -211,6 +208,13 @@ class _Counting:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+def _count_writes(send: Any, writes: list[bytes]) -> None:
+    """Every socket write of the connection whose request's `send` this is, into `writes`."""
+    transport = send.__self__.transport
+    if not isinstance(transport._transport, _Counting):
+        transport._transport = _Counting(transport._transport, writes)
 
 
 async def _exchange(port: int, request: bytes, answers: int) -> bytes:
@@ -358,9 +362,7 @@ class _StreamApp:
         if scope["type"] != "http":
             return
         await receive()
-        transport = send.__self__.transport
-        if not isinstance(transport._transport, _Counting):
-            transport._transport = _Counting(transport._transport, self.writes)
+        _count_writes(send, self.writes)
         head = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r1")]
         self.results.append(await write_stream_start(send, 200, head, self.first))
         for part in (b"data: 2\n\n", b"data: [DONE]\n\n"):

@@ -113,3 +113,23 @@ def test_a_second_signal_of_either_kind_forces_the_stop() -> None:
         server.handle_exit(second, None)
         assert server.force_exit
     assert stops == ["stop", "stop"]  # the app is told once per server, at the first signal
+
+
+def test_a_worker_forces_on_a_second_sigint_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker of `serve --workers` gets a Ctrl-C's SIGINT and its parent's SIGTERM: one
+    stop. Its parent turns a second stop into SIGINT. Also when the SIGTERM's handler runs
+    inside the SIGINT's (Python runs a pending handler at the next call)."""
+    monkeypatch.setattr(server_module, "in_worker", lambda: True)
+    stops: list[str] = []
+    server = _DrainingServer(server_config(_App()), lambda: stops.append("stop"))
+
+    def nested() -> None:  # the SIGTERM handled while the SIGINT's handler runs
+        stops.append("stop")
+        server.handle_exit(signal.SIGTERM, None)
+
+    server._on_stop = nested
+    server.handle_exit(signal.SIGINT, None)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit and stops == ["stop"]
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
