@@ -173,20 +173,33 @@ async def test_on_another_server_nothing_is_registered() -> None:
     forget_disconnect(receive)  # harmless
 
 
-class _WholeApp:
+class _Counted:
+    """An app recording what the write it tries answered, and each socket write."""
+
+    def __init__(self) -> None:
+        self.results: list[bool] = []
+        self.writes: list[bytes] = []
+
+    async def _request(self, scope: Any, receive: Any, send: Any) -> bool:
+        """Whether this is a request (read, its writes counted from now on)."""
+        if scope["type"] != "http":
+            return False
+        await receive()
+        _count_writes(send, self.writes)
+        return True
+
+
+class _WholeApp(_Counted):
     """Answers every request with `write_answer`, counting the socket writes it makes."""
 
     def __init__(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__()
         self.headers = headers or [(b"content-type", b"application/json"), (b"x-request-id", b"r1")]
-        self.results: list[bool] = []
         self.errors: list[Exception] = []
-        self.writes: list[bytes] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if not await self._request(scope, receive, send):
             return
-        await receive()
-        _count_writes(send, self.writes)
         try:
             self.results.append(await write_answer(send, 200, self.headers, b'{"a":1}'))
         except RuntimeError as exc:
@@ -349,20 +362,17 @@ async def test_an_idle_connection_closes_a_keep_alive_timeout_after_its_last_ans
     assert idle >= 0.9  # not before the timeout after the last answer
 
 
-class _StreamApp:
+class _StreamApp(_Counted):
     """Streams `first` (through `write_stream_start`) then two more parts (through `send`),
     recording each socket write."""
 
     def __init__(self, first: bytes) -> None:
+        super().__init__()
         self.first = first
-        self.results: list[bool] = []
-        self.writes: list[bytes] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if not await self._request(scope, receive, send):
             return
-        await receive()
-        _count_writes(send, self.writes)
         head = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r1")]
         self.results.append(await write_stream_start(send, 200, head, self.first))
         for part in (b"data: 2\n\n", b"data: [DONE]\n\n"):
