@@ -15,7 +15,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.protocol import GatewayProtocol
-from gateway.workers import in_worker, start_heartbeat
+from gateway.workers import FORCE_SIGNAL, in_worker, start_heartbeat
 
 try:  # uvloop is not on every platform; httptools is
     import uvloop  # noqa: F401
@@ -135,17 +135,14 @@ class _DrainingServer(_ForcedStopServer):
         self._on_stop = on_stop
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # Marked first, in one step: a signal's handler may run inside another's (Python
-        # runs a pending one at the next call), and a nested one must see a stop begun.
         second, self.should_exit = self.should_exit, True
-        if not second:
-            if self._on_stop is not None:
-                self._on_stop()
-        elif sig == signal.SIGINT or not in_worker():
-            # A second signal, whichever, forces (uvicorn forces on SIGINT only). A worker
-            # of `serve --workers` keeps uvicorn's rule: it gets each stop twice, from the
-            # terminal's Ctrl-C or a service manager and again from its parent (as SIGTERM),
-            # and the parent turns a second stop into SIGINT.
+        if not second and self._on_stop is not None:
+            self._on_stop()
+        if sig == FORCE_SIGNAL or (second and not in_worker()):
+            # Alone, a second signal, whichever, forces (uvicorn forced on SIGINT only). A
+            # worker of `serve --workers` may get each stop twice, in either order (a
+            # terminal's Ctrl-C reaches the whole group, and the parent passes it on as
+            # SIGTERM): only its parent forces it, with FORCE_SIGNAL (gateway/workers.py).
             self.force_exit = True
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -161,12 +158,17 @@ class _DrainingServer(_ForcedStopServer):
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises the stop signal after its graceful shutdown, so the process
         # would die of SIGTERM; a drained gateway exits 0 instead (Kubernetes reads it).
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        # The handlers run as the loop's callbacks, one after the other: a plain signal
+        # handler can run inside another's (at its first instruction).
+        loop = asyncio.get_running_loop()
+        taken = (*STOP_SIGNALS, FORCE_SIGNAL) if in_worker() else STOP_SIGNALS
+        for sig in taken:
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for sig in taken:
+                loop.remove_signal_handler(sig)
 
 
 def serve(

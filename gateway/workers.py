@@ -16,7 +16,11 @@ holds no connection; it only waits on its workers:
   start, stop the whole serve with exit code 1 instead (a fault no restart mends: let the
   orchestrator see it);
 - SIGTERM or SIGINT: every worker gets SIGTERM and drains; the parent exits 0 once all
-  ended with 0 (else 1). A second signal gives them SIGINT: stop waiting for connections;
+  ended with 0 (else 1). A second signal gives them FORCE_SIGNAL: the requests still
+  running are cut short at once. Only the parent forces: a worker may get each stop twice,
+  in either order (a terminal's Ctrl-C reaches every process of the group as SIGINT, a
+  service manager may signal them all, and the parent passes the stop on), and takes any
+  number of SIGINT and SIGTERM as one drain;
 - SIGHUP goes to every worker (each checks its config file, gateway/reload.py);
 - a worker whose event loop stops turning (stopped, deadlocked, stuck in a call that never
   returns) is killed after HANG_S and forked again: the kernel would keep handing it its
@@ -53,6 +57,8 @@ from gateway.metrics import share_across_processes
 log = logging.getLogger("gateway")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# From the parent to its workers only: stop now (a second stop signal reached the parent).
+FORCE_SIGNAL = signal.SIGUSR1
 HANDLED = {*STOP_SIGNALS, signal.SIGHUP}
 RESTART_PAUSE_S = 1.0
 QUICK_S = 10.0
@@ -134,8 +140,8 @@ class Workers:
                 os.close(other.beats)
             os.set_blocking(beat, False)
             _beat_fd = beat
-            for sig in STOP_SIGNALS:  # until the server takes them: nothing to drain yet
-                signal.signal(sig, _exit_at_once)
+            for sig in (*STOP_SIGNALS, FORCE_SIGNAL):  # until the server takes them:
+                signal.signal(sig, _exit_at_once)  # nothing to drain yet
             signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the config watcher takes it
             _die_with(parent)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -210,7 +216,7 @@ class Workers:
 
     def _on_stop(self, sig: int, frame: FrameType | None) -> None:
         if self._stopping:
-            self._signal_all(signal.SIGINT)  # the second: stop waiting for connections
+            self._signal_all(FORCE_SIGNAL)  # the second: cut the requests short at once
             return
         self._stopping = True
         log.info("stopping: %d workers drain", len(self._children))

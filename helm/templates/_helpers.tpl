@@ -176,12 +176,13 @@ left empty are omitted, so the gateway's own defaults apply.
 
 {{/*
 terminationGracePeriodSeconds: the gateway's drain time, plus the preStop pause (5 s) and
-room to exit.
+room to exit: after the drain, the requests cut short get 5 s and 1 s more, the lifespan
+shutdown up to 5 s for calls on their way to Redis before records go to the spool.
 */}}
 {{- define "llm-gateway.terminationGracePeriodSeconds" -}}
 {{- $grace := 30 }}
 {{- if hasKey .Values.gateway "shutdown_grace_s" }}
 {{- $grace = .Values.gateway.shutdown_grace_s }}
 {{- end }}
-{{- add (ceil $grace) 15 }}
+{{- add (ceil $grace) 25 }}
 {{- end }}

@@ -213,6 +213,31 @@ def test_sigterm_drains_both_workers(serve: procs.Proc, store: RedisServer, ctrl
     assert recorded(store) == Counter(rids + streams)
 
 
+def test_a_second_signal_cuts_both_workers_short(serve: procs.Proc, store: RedisServer) -> None:
+    """SIGTERM, then SIGTERM again once both drain: the parent forces its workers (its
+    own signal for it), and the streams still running are told `shutting_down` at once,
+    each recorded, nothing left held in Redis."""
+    warm_up(serve, "forced-warm")
+    streams = [f"workers-{RUN}-forced-{i}" for i in range(STREAMS)]
+    started = threading.Barrier(STREAMS + 1)
+    assert serve.popen is not None
+    with ThreadPoolExecutor(STREAMS) as pool:
+        answers = [pool.submit(stream, serve, rid, started) for rid in streams]
+        started.wait(timeout=30)  # every stream has its first bytes: all in flight
+        serve.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10  # another process's log has no event: polled
+        while serve.log.read_text().count("stopping: draining requests") < 2:
+            assert time.monotonic() < deadline, serve.log.read_text()[-2000:]
+            time.sleep(0.02)
+        serve.popen.send_signal(signal.SIGTERM)
+        assert serve.popen.wait(timeout=30) == 0
+        results = [a.result(timeout=30) for a in answers]
+    for code, body in results:  # the streams last 2 s: cut long before their end
+        assert code == 200 and b'"shutting_down"' in body and b"[DONE]" not in body, body
+    assert left_in_redis(store) == []
+    assert set(streams) <= recorded(store).keys()
+
+
 def test_a_changed_config_reaches_every_worker(
     serve: procs.Proc, sim: procs.Proc, store: RedisServer, tmp_path: Path
 ) -> None:

@@ -29,6 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.server import CUT_WAIT_S, DROPPED_WAIT_S
 from gateway.settings import parse_config
 from tests.conftest import REDIS_URL
 
@@ -439,8 +440,10 @@ def test_termination_outlasts_the_drain(
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     pre_stop = gateway_container(docs)["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop == ["python", "-c", "import time; time.sleep(5)"]
-    # The pod gets the preStop pause plus the whole drain before it is killed.
-    assert pod["terminationGracePeriodSeconds"] > grace_s + 5
+    # The pod gets the preStop pause plus the whole drain before it is killed, and after
+    # it the wait for the requests cut short and the lifespan's wait for Redis (5 s).
+    after = CUT_WAIT_S + DROPPED_WAIT_S + 5
+    assert pod["terminationGracePeriodSeconds"] > 5 + grace_s + after
 
 
 def _checksum(*args: str) -> str:
