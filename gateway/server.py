@@ -105,10 +105,21 @@ class _ForcedStopServer(uvicorn.Server):
         await asyncio.sleep(0.1)
         grace = self.config.grace_s if isinstance(self.config, ServerConfig) else None
         with suppress(TimeoutError):  # the grace is over
-            # Returns early if a second signal forces the stop (uvicorn's force_exit).
-            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout=grace)
+            await asyncio.wait_for(self._drained(), timeout=grace)
         await self._cut_short()
         await self.lifespan.shutdown()
+
+    async def _drained(self) -> None:
+        """uvicorn's wait for the connections and requests to end, which a second signal
+        stops (`force_exit`); then the servers' own close, skipped when forced (from Python
+        3.12.1 the stdlib's `wait_closed` waits for every connection to end)."""
+        state = self.server_state
+        # uvicorn's server state has no event for either (it polls alike).
+        while (state.connections or state.tasks) and not self.force_exit:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        if not self.force_exit:
+            for server in self.servers:
+                await server.wait_closed()
 
     async def _cut_short(self) -> None:
         tasks = list(self.server_state.tasks)
