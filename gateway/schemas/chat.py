@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, StrictInt, Tag
+from pydantic import ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
 from gateway.schemas.common import GatewayRequest, OpenModel, by_shape
 
@@ -124,7 +124,7 @@ class FunctionDefinition(OpenModel):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class FunctionTool(OpenModel):
@@ -151,8 +151,8 @@ ToolChoice = Annotated[
 class ChatReasoningSettings(OpenModel):
     effort: ReasoningEffort | None = None
     max_tokens: Annotated[StrictInt, Field(gt=0)] | None = None
-    enabled: bool | None = None
-    exclude: bool | None = None
+    enabled: StrictBool | None = None
+    exclude: StrictBool | None = None
 
 
 class ChatRequest(GatewayRequest):
@@ -175,7 +175,7 @@ class ChatRequest(GatewayRequest):
             "or a named function the model must call."
         ),
     )
-    logprobs: bool | None = Field(
+    logprobs: StrictBool | None = Field(
         default=None, description="Whether to return log probabilities of the output tokens."
     )
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = Field(
@@ -209,7 +209,7 @@ class ChatRequest(GatewayRequest):
             '{"num_frames": 16}}.'
         ),
     )
-    continue_final_message: bool | None = Field(
+    continue_final_message: StrictBool | None = Field(
         default=None,
         description=(
             "If set, the final assistant message is used as a prefix for the model to "

@@ -2,8 +2,9 @@
 
 The gateway forwards the caller's original JSON dict to the worker, so these models exist to
 reject bad bodies with a 422 (and to document the API in /openapi.json), never to rewrite
-them. Numbers are strict: a JSON string such as ``"0.5"`` is refused rather than coerced,
-because the worker would see the string, not the coerced number.
+them. Numbers and booleans are strict: a JSON string such as ``"0.5"`` or ``"true"``, or a
+``1`` for a boolean, is refused rather than coerced, because the worker would see what was
+sent, not the coerced value.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     Tag,
@@ -100,8 +102,8 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=16)]
 
 
 class StreamOptions(OpenModel):
-    include_usage: bool = Field(default=True, description="whether to include usage data")
-    continuous_usage_stats: bool = Field(
+    include_usage: StrictBool = Field(default=True, description="whether to include usage data")
+    continuous_usage_stats: StrictBool = Field(
         default=False,
         description="whether to include usage stats continuously with each streaming event",
     )
@@ -131,7 +133,7 @@ class JsonSchema(OpenModel):
         alias="schema", title="Schema", description="The actual JSON schema definition"
     )
     description: str | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class JsonSchemaResponseFormat(OpenModel):
@@ -167,7 +169,7 @@ class GatewayRequest(BaseModel):
             "compatibility, 'auto' is treated as 'priority' and 'standard_only' as 'default'."
         ),
     )
-    fail_fast: bool = Field(
+    fail_fast: StrictBool = Field(
         default=False,
         description=(
             "If true, the request is rejected immediately with HTTP 429 when the model has "
@@ -212,12 +214,14 @@ class GatewayRequest(BaseModel):
     n: Annotated[StrictInt, Field(ge=1, le=4)] = Field(
         default=1, description="number of sequences to return"
     )
-    stream: bool = Field(
+    stream: StrictBool = Field(
         default=False,
         description="whether to stream the output via SSE or return the full response",
     )
     stream_options: StreamOptions | None = Field(default=None, description="streaming options")
-    echo: bool | None = Field(default=None, description="return prompt as part of the response")
+    echo: StrictBool | None = Field(
+        default=None, description="return prompt as part of the response"
+    )
     stop: Stop | None = Field(
         default=None,
         description="up to 16 sequences where the API will stop generating further tokens",
@@ -254,7 +258,7 @@ class GatewayRequest(BaseModel):
         default=None,
         description="Seed for random number generator. If not provided, a random seed is used.",
     )
-    return_tokens_as_token_ids: bool | None = Field(
+    return_tokens_as_token_ids: StrictBool | None = Field(
         default=None, description="return tokens as token ids"
     )
     prompt_cache_key: str | None = Field(
@@ -265,7 +269,7 @@ class GatewayRequest(BaseModel):
         default=None,
         description='Prompt cache options for this request\'s prefix, e.g. {"ttl": "1h"}.',
     )
-    ignore_eos: bool | None = Field(
+    ignore_eos: StrictBool | None = Field(
         default=None,
         description=(
             "Keep generating until max_tokens instead of stopping at the end-of-sequence "

@@ -267,7 +267,18 @@ SHARED_BAD: list[tuple[str, Any]] = [
     ("service_tier", "gold"),
     ("service_tier", "Priority"),
     ("stream", "maybe"),
+    # Booleans are strict: pydantic's lax mode took these as true or false, and the worker
+    # was sent the string or the number (found by an outside attack: a slot taken, a
+    # worker's 400 billed).
+    ("stream", "true"),
+    ("stream", 1),
+    ("stream", 0),
+    ("stream", "yes"),
+    ("fail_fast", 1),
+    ("fail_fast", "false"),
     ("stream_options", {"include_usage": "often"}),
+    ("stream_options", {"include_usage": 1}),
+    ("stream_options", {"continuous_usage_stats": "true"}),
     ("prompt_cache_options", {"ttl": "2h"}),
     ("prompt_cache_options", {"mode": "always"}),
     ("response_format", {"type": "json_schema"}),
@@ -288,6 +299,10 @@ COMPLETION_BAD: list[tuple[str, Any]] = [
     ("prompt", None),
     ("logprobs", -1),
     ("data", {"image": "not-a-list"}),
+    ("echo", "true"),
+    ("echo", 1),
+    ("ignore_eos", "yes"),
+    ("return_tokens_as_token_ids", 0),
 ]
 
 CHAT_BAD: list[tuple[str, Any]] = [
@@ -319,6 +334,10 @@ CHAT_BAD: list[tuple[str, Any]] = [
     ("cache_salt", ""),
     ("chat_template_kwargs", ["x"]),
     ("media_io_kwargs", {"video": 16}),
+    ("logprobs", "true"),
+    ("logprobs", 1),
+    ("continue_final_message", "false"),
+    ("reasoning", {"enabled": 1}),
 ]
 
 
