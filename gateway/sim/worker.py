@@ -34,6 +34,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.asgi import Reply as Answer
+from gateway.protocol import forget_disconnect, on_disconnect
 from gateway.sim.load import Slots, Span
 from gateway.sim.text import BadRequest, Job, Reply, error_body, make_plan, parse_job
 
@@ -343,7 +344,31 @@ def _check(options: SimOptions) -> None:
 
 
 async def _finished_unless_gone(work: asyncio.Future[None], receive: Receive) -> bool:
-    """Wait for `work`; if the client disconnects first, cancel it and return False."""
+    """Wait for `work`; if the client disconnects first, cancel it and return False.
+
+    On the gateway's server protocol the lost connection cancels `work` itself, so its slot
+    is free before any request that came after the disconnect can ask for one: a gateway
+    gives its lease back once it has dropped the connection, and a request it admits then
+    must not find the slot still taken here (tests read this worker's peaks). A task
+    watching `receive` noticed it a few loop turns later."""
+    gone = False
+
+    def lost() -> None:
+        nonlocal gone
+        gone = True
+        work.cancel()
+
+    if on_disconnect(receive, lost):
+        try:
+            await asyncio.wait((work,))
+        finally:
+            forget_disconnect(receive)
+            if not work.done():  # this request itself was cancelled (its server's stop)
+                work.cancel()
+        if gone:
+            return False
+        work.result()  # re-raise what it raised (SimulatedCrash)
+        return True
     watch = asyncio.ensure_future(_wait_disconnect(receive))
     gone = False
     try:
