@@ -349,37 +349,31 @@ async def _finished_unless_gone(work: asyncio.Future[None], receive: Receive) ->
     On the gateway's server protocol the lost connection cancels `work` itself, so its slot
     is free before any request that came after the disconnect can ask for one: a gateway
     gives its lease back once it has dropped the connection, and a request it admits then
-    must not find the slot still taken here (tests read this worker's peaks). A task
-    watching `receive` noticed it a few loop turns later."""
+    must not find the slot still taken here (tests read this worker's peaks). Elsewhere a
+    task watching `receive` does it, a few loop turns later."""
     gone = False
 
     def lost() -> None:
         nonlocal gone
-        gone = True
-        work.cancel()
-
-    if on_disconnect(receive, lost):
-        try:
-            await asyncio.wait((work,))
-        finally:
-            forget_disconnect(receive)
-            if not work.done():  # this request itself was cancelled (its server's stop)
-                work.cancel()
-        if gone:
-            return False
-        work.result()  # re-raise what it raised (SimulatedCrash)
-        return True
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    gone = False
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
+        if not work.done():  # a whole answer reads as a disconnect too (uvicorn's receive)
             gone = True
             work.cancel()
+
+    async def watch() -> None:
+        await _wait_disconnect(receive)
+        lost()
+
+    watcher = None if on_disconnect(receive, lost) else asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait((work,))  # once cancelled, its `finally` frees the slot first
+    finally:
+        if watcher is None:
+            forget_disconnect(receive)
+        else:
+            watcher.cancel()
+        if not work.done():  # this request itself was cancelled (its server's stop)
+            work.cancel()
     if gone:
-        await asyncio.wait((work,))  # let its `finally` free the slot before we report
         return False
     work.result()  # re-raise what it raised (SimulatedCrash)
     return True
