@@ -38,13 +38,13 @@ sys.path.insert(1, str(ROOT / "bench"))
 
 import harness  # noqa: E402
 
-from gateway.settings import parse_config  # noqa: E402
-from routing import resp  # noqa: E402
-from routing.admission import Admission  # noqa: E402
+from gateway.runtime.settings import parse_config  # noqa: E402
+from routing.admission.admit import Admission  # noqa: E402
+from routing.admission.plan import plan_candidates  # noqa: E402
 from routing.errors import Limited  # noqa: E402
-from routing.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
-from routing.resp import RespClient  # noqa: E402
+from routing.store import resp  # noqa: E402
+from routing.store.resp import RespClient  # noqa: E402
 from tests.e2e import procs  # noqa: E402
 
 KEY = "sk-bench"
@@ -110,7 +110,7 @@ async def in_process(redis_url: str, n: int) -> dict[str, Any]:
     client = aioredis.Redis.from_url(redis_url)
     config = parse_config(config_text(redis_url), "bench.yaml")
     registry = Registry(config.models)
-    # The store the gateway itself uses for redis:// URLs (routing/resp.py).
+    # The store the gateway itself uses for redis:// URLs (routing/store/resp.py).
     store = RespClient(redis_url)
     admission = Admission(store, registry, config.tiers, lease_ttl_s=30, on_outage="reject")
     await admission.start()

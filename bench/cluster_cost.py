@@ -1,8 +1,8 @@
 """What admission costs a Redis Cluster of three masters: `redis_cost.py --cluster`.
 
 A Cluster of the benchmark's own (tests/redis_cluster.py: three masters on loopback, no
-replicas), the real `Admission` on the real `ClusterStore` (routing/cluster.py, built by
-routing/store.py `cluster_store` as `gateway serve` does for a Cluster), with models and
+replicas), the real `Admission` on the real `ClusterStore` (routing/store/cluster.py, built by
+routing/store/connect.py `cluster_store` as `gateway serve` does for a Cluster), with models and
 accounts named so that their hash tags land on every master in turn. One admitted
 request's life (admit, release with a usage record) is captured for each (model, account)
 pair, then N lives are replayed spread evenly over the pairs, `batch` per round trip (the
@@ -28,13 +28,13 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 from rediskit import STREAM, TAG, Delta, Snapshot, median, sent_counts, top_level_usec
 
-from gateway.settings import parse_config
-from routing.admission import Admission
-from routing.cluster import ClusterStore
-from routing.plan import plan_candidates
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
+from routing.admission.plan import plan_candidates
 from routing.registry import Registry
-from routing.slotmap import slot_of
-from routing.store import cluster_store
+from routing.store.cluster import ClusterStore
+from routing.store.connect import cluster_store
+from routing.store.slotmap import slot_of
 from tests.redis_cluster import RedisCluster, start_cluster
 
 MODELS_PER_MASTER = 2

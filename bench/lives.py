@@ -12,9 +12,9 @@ from typing import Any
 
 from rediskit import TAG
 
-from routing.admission import Admission
-from routing.store import Store
-from routing.wire import Transaction
+from routing.admission.admit import Admission
+from routing.store.base import Store
+from routing.store.wire import Transaction
 from tiers.usage import UsageRecord, cost_usd
 
 Command = tuple[Any, ...]
@@ -34,7 +34,7 @@ def config_text(models: Sequence[str]) -> str:
 @contextlib.contextmanager
 def recording(store: Any) -> Iterator[list[list[Command]]]:
     """Every batch the store sends (one round trip each), as sent. Wraps the store's own
-    `send` (routing/resp.py, routing/cluster.py), under whatever Scripts calls it."""
+    `send` (routing/store/resp.py, routing/store/cluster.py), under whatever Scripts calls it."""
     batches: list[list[Command]] = []
     original = store.send
 
@@ -72,7 +72,7 @@ async def one_life(admission: Admission, plan: Any, account: str = TAG) -> str:
 
 def per_second(batches: list[list[Command]]) -> bool:
     """Whether a captured life carries what a replica sends once a second, whatever its
-    traffic: the expiry of the second's set of record identities (routing/ledger.py
+    traffic: the expiry of the second's set of record identities (routing/ledger/records.py
     `FirstSends`). A busy replica sends it once in many lives, so a life that carries it
     (the first of its second) is captured again: the next is in the same second."""
     for batch in batches:

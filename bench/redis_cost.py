@@ -7,7 +7,7 @@ Run: .venv/bin/python bench/redis_cost.py [--admissions N] [--quick] [--json] [-
 Redis: a redis-server of the benchmark's own on a free port, unless --redis or REDIS_URL
 names one (used as it is, never flushed: what the benchmark wrote is removed at the end).
 
-One run, against the real Redis and the real admission code (routing/admission.py):
+One run, against the real Redis and the real admission code (routing/admission/admit.py):
 1. one admitted request's life (`admit`, then `release` with a usage record) is captured
    at the store's `send`: its round trips, the exact commands sent, and what Redis ran for
    them (INFO commandstats counts the commands scripts call too);
@@ -16,7 +16,7 @@ One run, against the real Redis and the real admission code (routing/admission.p
    EVALSHA (`return 0`): Redis's own microseconds per admission (INFO commandstats) and
    process CPU (used_cpu_user + sys), and their ratio to the no-op;
 3. the same replay, fewer times, with the slow log as a stopwatch: microseconds per script;
-4. an idle Admission + keeper (routing/keeper.py), one replica, with 1 and with 10 models:
+4. an idle Admission + keeper (routing/admission/keeper.py), one replica, with 1 and with 10 models:
    what its sweeps cost Redis per model and second.
 """
 
@@ -47,12 +47,12 @@ import rediskit  # noqa: E402
 from lives import Command, config_text, one_life, per_second, recording, replay_lives  # noqa: E402
 from rediskit import TAG, Delta, SlowLog, cost, measured, sent_counts, top_level_usec  # noqa: E402
 
-from gateway.settings import parse_config  # noqa: E402
-from routing.admission import Admission  # noqa: E402
-from routing.keeper import Keeper  # noqa: E402
-from routing.plan import plan_candidates  # noqa: E402
+from gateway.runtime.settings import parse_config  # noqa: E402
+from routing.admission.admit import Admission  # noqa: E402
+from routing.admission.keeper import Keeper  # noqa: E402
+from routing.admission.plan import plan_candidates  # noqa: E402
 from routing.registry import Registry  # noqa: E402
-from routing.resp import RespClient  # noqa: E402
+from routing.store.resp import RespClient  # noqa: E402
 
 NOOP = "return 0"
 # No-ops per life replayed in a round: a life costs Redis about 25 of them, so a round of

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.wire import Transaction, unfolded
+from routing.store.wire import Transaction, unfolded
 
 # Every name the benchmark writes under: models, account, replicas, request ids.
 TAG = "bench-cost"

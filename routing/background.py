@@ -4,7 +4,7 @@ Every periodic task of a replica (sweep, spool flush, health probes, config relo
 wake-up subscription) runs its rounds through `every`: an error in one round, whatever its
 type, is counted per task, logged once per kind until the task recovers, and the next
 round runs. Store errors of the store's tasks are logged by cause instead, once a minute
-(routing/storeerrors.py). Only cancellation stops a loop; a loop may back off while its
+(routing/store/causes.py). Only cancellation stops a loop; a loop may back off while its
 rounds fail. The counts are the metric `gateway_background_errors_total{task}`; task names
 are fixed strings, never request text.
 """
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from routing.storeerrors import StoreErrors
+from routing.store.causes import StoreErrors
 
 log = logging.getLogger("gateway.background")
 

@@ -14,7 +14,7 @@ from enum import StrEnum
 class LimitReason(StrEnum):
     """Why a caller gets no capacity now (a 429). The value is the error's `code` and the
     `reason` label of `gateway_rejections_total`; the Lua scripts answer with statuses
-    (routing/slots.py), which routing/admission.py turns into these."""
+    (routing/admission/slots.py), which routing/admission/admit.py turns into these."""
 
     MODEL_BUSY = "model_busy"
     FLEX_NO_CAPACITY = "flex_no_capacity"

@@ -2,7 +2,7 @@
 
 These are the config schema's model/endpoint sections (validated at start and on reload)
 plus the lookups the request path needs. Capacity here is the configured one; admission
-counts only the endpoints health keeps in rotation (routing/health.py).
+counts only the endpoints health keeps in rotation (routing/hop/health.py).
 """
 
 from __future__ import annotations

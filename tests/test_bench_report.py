@@ -127,9 +127,9 @@ def test_wrk_output_is_read() -> None:
 STACKS = """\
 <module> (gateway/__main__.py:5);run (asyncio/runners.py:118) 10
 <module> (gateway/__main__.py:5);run (asyncio/runners.py:118);_run (asyncio/events.py:84);\
-handle (gateway/route.py:40);dumps (json/__init__.py:231) 20
-<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);send (routing/resp.py:90) 30
-<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);post (gateway/hop.py:12);\
+handle (gateway/completions/route.py:40);dumps (json/__init__.py:231) 20
+<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);send (routing/store/resp.py:90) 30
+<module> (gateway/__main__.py:5);_run (asyncio/events.py:84);post (gateway/completions/hop.py:12);\
 _request (aiohttp/client.py:500);shield (asyncio/tasks.py:900) 40
 """
 
@@ -142,7 +142,7 @@ def test_a_profile_sample_counts_for_the_innermost_known_part() -> None:
         "the event loop": 10.0,
     }
     top = spy.top_self(STACKS, 2)
-    assert top == [("shield (asyncio/tasks.py)", 40.0), ("send (routing/resp.py)", 30.0)]
+    assert top == [("shield (asyncio/tasks.py)", 40.0), ("send (routing/store/resp.py)", 30.0)]
 
 
 def test_a_baseline_tree_must_supply_the_packages_itself(tmp_path: Path) -> None:

@@ -31,12 +31,20 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.asgi import Reply as Answer
-from gateway.protocol import forget_disconnect, on_disconnect
 from gateway.sim.load import Slots, Span
 from gateway.sim.text import BadRequest, Job, Reply, error_body, make_plan, parse_job
+from gateway.sim.wire import (
+    Tracked,
+    body_chunk,
+    finished_unless_gone,
+    lifespan,
+    read_body,
+    response_start,
+    send_json,
+    wait_disconnect,
+)
 
 FAULTS = frozenset({"hang", "error500", "die_mid_stream"})
 FINISH_REASONS = ("stop", "length", "abort")
@@ -132,19 +140,19 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
         methods = self._routes.get(scope["path"])
         if methods is None:
-            await _send_json(send, 404, {"detail": "Not Found"})
+            await send_json(send, 404, {"detail": "Not Found"})
             return
         handler = methods.get(scope["method"])
         if handler is None:
-            await _send_json(send, 405, {"detail": "Method Not Allowed"})
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
             return
-        tracked = _Tracked(send)
+        tracked = Tracked(send)
         try:
             await handler(scope, receive, tracked)
         except asyncio.CancelledError:
@@ -163,7 +171,7 @@ class SimApp:
         await self._generate(scope, receive, send, chat=True)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         if raw is None:
             return
         try:
@@ -176,15 +184,15 @@ class SimApp:
         self.recent.append({"path": scope["path"], "body": body, "headers": headers})
         fault = self.fault
         if fault == "hang":
-            await _wait_disconnect(receive)
+            await wait_disconnect(receive)
             return
         if fault == "error500":
             message = "Simulated worker failure (fault error500)."
-            await _send_json(send, 500, error_body(500, "InternalServerError", message))
+            await send_json(send, 500, error_body(500, "InternalServerError", message))
             return
         job = self._validate(body, json_error, chat)
         if isinstance(job, tuple):
-            await _send_json(send, *job)
+            await send_json(send, *job)
             return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         reply = Reply(job, make_plan(job, self.options.tokens), rid, int(time.time()))
@@ -215,7 +223,7 @@ class SimApp:
         """Generate under a slot; the finish reason, or "abort" when the client went away."""
         if reply.job.stream:
             # Headers go out before the slot is granted, as with vLLM's streaming responses.
-            await send(_start(200, b"text/event-stream; charset=utf-8"))
+            await send(response_start(200, b"text/event-stream; charset=utf-8"))
         if self._instant and self.slots.try_acquire():
             # Nothing to wait for, so no disconnect watcher: the cheap path for benchmarks.
             with span:
@@ -225,7 +233,7 @@ class SimApp:
                     self.slots.release()
             return reply.plan.finish_reason
         work = asyncio.ensure_future(self._emit_in_slot(reply, send, span, die))
-        if await _finished_unless_gone(work, receive):
+        if await finished_unless_gone(work, receive):
             return reply.plan.finish_reason
         return "abort"
 
@@ -247,22 +255,22 @@ class SimApp:
         start = asyncio.get_running_loop().time()
         if not reply.job.stream:
             await self._pace(start, max(reply.plan.length - 1, 0))
-            await _send_json(send, 200, reply.body())
+            await send_json(send, 200, reply.body())
             return
         await self._pace(start, 0)
         for event in reply.role_events():
-            await send(_chunk(event))
+            await send(body_chunk(event))
         steps = min(reply.plan.length, _DIE_AFTER_TOKENS) if die else reply.plan.length
         for step in range(steps):
             if step:
                 await self._pace(start, step)
             for index in range(reply.job.n):
-                await send(_chunk(reply.token_event(index, step)))
+                await send(body_chunk(reply.token_event(index, step)))
         if die:
             raise SimulatedCrash("fault die_mid_stream: dropping the connection mid-stream")
         *events, last = reply.closing_events()
         for event in events:
-            await send(_chunk(event))
+            await send(body_chunk(event))
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
     async def _pace(self, start: float, step: int) -> None:
@@ -279,23 +287,23 @@ class SimApp:
             {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m}
             for m in self.options.models
         ]
-        await _send_json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": data})
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(_start(200, None, content_length=0))
+        await send(response_start(200, None, content_length=0))
         await send({"type": "http.response.body", "body": b""})
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.metrics.render()
-        await send(_start(200, CONTENT_TYPE_LATEST.encode(), content_length=len(body)))
+        await send(response_start(200, CONTENT_TYPE_LATEST.encode(), content_length=len(body)))
         await send({"type": "http.response.body", "body": body})
 
     async def _recent_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, {"requests": list(self.recent)})
+        await send_json(send, 200, {"requests": list(self.recent)})
 
     async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.recent.clear()
-        await _send_json(send, 200, {"requests": []})
+        await send_json(send, 200, {"requests": []})
 
     async def _peak(self, scope: Scope, receive: Receive, send: Send) -> None:
         running, waiting, inflight = self.slots.take_window()
@@ -311,13 +319,13 @@ class SimApp:
             "spans": spans,
             "spans_dropped": dropped,
         }
-        await _send_json(send, 200, payload)
+        await send_json(send, 200, payload)
 
     async def _get_fault(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _send_json(send, 200, {"fault": self.fault})
+        await send_json(send, 200, {"fault": self.fault})
 
     async def _set_fault(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await _read_body(receive)
+        raw = await read_body(receive)
         if raw is None:
             return
         try:
@@ -326,10 +334,10 @@ class SimApp:
             fault = "<missing>"
         if fault is not None and fault not in FAULTS:
             message = f"`fault` must be null or one of {sorted(FAULTS)}."
-            await _send_json(send, 400, error_body(400, "BadRequestError", message))
+            await send_json(send, 400, error_body(400, "BadRequestError", message))
             return
         self.fault = fault
-        await _send_json(send, 200, {"fault": fault})
+        await send_json(send, 200, {"fault": fault})
 
 
 def _check(options: SimOptions) -> None:
@@ -341,99 +349,3 @@ def _check(options: SimOptions) -> None:
         raise ValueError("tokens, ttft_ms and itl_ms must not be negative")
     if options.fault is not None and options.fault not in FAULTS:
         raise ValueError(f"fault must be one of {sorted(FAULTS)}, not {options.fault!r}")
-
-
-async def _finished_unless_gone(work: asyncio.Future[None], receive: Receive) -> bool:
-    """Wait for `work`; if the client disconnects first, cancel it and return False.
-
-    On the gateway's server protocol the lost connection cancels `work` itself, so its slot
-    is free before any request that came after the disconnect can ask for one: a gateway
-    gives its lease back once it has dropped the connection, and a request it admits then
-    must not find the slot still taken here (tests read this worker's peaks). Elsewhere a
-    task watching `receive` does it, a few loop turns later."""
-    gone = False
-
-    def lost() -> None:
-        nonlocal gone
-        if not work.done():  # a whole answer reads as a disconnect too (uvicorn's receive)
-            gone = True
-            work.cancel()
-
-    async def watch() -> None:
-        await _wait_disconnect(receive)
-        lost()
-
-    watcher = None if on_disconnect(receive, lost) else asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait((work,))  # once cancelled, its `finally` frees the slot first
-    finally:
-        if watcher is None:
-            forget_disconnect(receive)
-        else:
-            watcher.cancel()
-        if not work.done():  # this request itself was cancelled (its server's stop)
-            work.cancel()
-    if gone:
-        return False
-    work.result()  # re-raise what it raised (SimulatedCrash)
-    return True
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None when the client left before sending it."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-def _start(status: int, content_type: bytes | None, content_length: int | None = None) -> Message:
-    headers = []
-    if content_type is not None:
-        headers.append((b"content-type", content_type))
-    if content_length is not None:
-        headers.append((b"content-length", str(content_length).encode()))
-    return {"type": "http.response.start", "status": status, "headers": headers}
-
-
-def _chunk(event: bytes) -> Message:
-    return {"type": "http.response.body", "body": event, "more_body": True}
-
-
-class _Tracked(Answer):
-    """A request's `send`, remembering how far its answer got (the gateway's own `Reply`)."""
-
-    __slots__ = ()
-
-    async def end(self) -> None:
-        """The answer cut short: a 503 if nothing was sent, else the end of its body."""
-        if not self.started:
-            message = "The simulated worker is shutting down."
-            await _send_json(self, 503, error_body(503, "ServiceUnavailableError", message))
-        elif not self.ended:
-            await self({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _send_json(send: Send, status: int, payload: object) -> None:
-    body = orjson.dumps(payload)
-    await send(_start(status, b"application/json", len(body)))
-    await send({"type": "http.response.body", "body": body})

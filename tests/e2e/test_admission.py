@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from routing.store import connect
+from routing.store.connect import connect
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from routing.store import connect
+from routing.store.connect import connect
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.redis_cluster import RedisCluster, start_cluster

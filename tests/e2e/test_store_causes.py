@@ -24,10 +24,10 @@ import httpx
 import pytest
 import redis
 
-from gateway.app import build_app
-from gateway.settings import parse_config
-from gateway.state import GatewayState
-from routing.store import start_problem
+from gateway.app.front import build_app
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
+from routing.store.probe import start_problem
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.redis_server import RedisServer, free_port, self_signed

@@ -12,7 +12,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from gateway.body import MAX_DEPTH
+from gateway.edge.body import MAX_DEPTH
 
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "/": "\\/"}
 

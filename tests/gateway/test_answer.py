@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.answer import (
+from gateway.app.front import build_app
+from gateway.completions.answer import (
     DONE_EVENT,
     MAX_ERROR_MESSAGE,
     StreamRewriter,
@@ -24,15 +25,14 @@ from gateway.answer import (
     rewrite_answer,
     worker_error,
 )
-from gateway.app import build_app
 from gateway.errors import (
     RateLimited,
     UpstreamFailed,
     UpstreamTimeout,
     WorkerRejected,
 )
-from gateway.settings import parse_config
-from gateway.state import GatewayState
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from tiers.usage import UsageRecord
 
 MODEL = "org/served"

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from gateway.app import build_app
-from gateway.settings import parse_config
-from gateway.state import GatewayState
+from gateway.app.front import build_app
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 
 KEY = "sk-unit"
 CONFIG = f"""

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from gateway.asgi import (
+from gateway.edge.asgi import (
     MAX_REQUEST_ID,
     ClientGone,
     Message,

@@ -10,9 +10,9 @@ import orjson
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.auth import KEY_PREFIX, KEYS_HASH, KeyStore, create_key, key_from_headers
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
-from gateway.settings import KeyConfig, digest_key
+from gateway.runtime.auth import KEY_PREFIX, KEYS_HASH, KeyStore, create_key, key_from_headers
+from gateway.runtime.settings import KeyConfig, digest_key
 from tiers.policy import Tier
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from gateway.billing import usage_fields
-from gateway.exchange import Exchange, Usage
-from gateway.settings import parse_config
-from routing.admission import Admitted, Lease
-from routing.plan import Candidate
+from gateway.completions.billing import usage_fields
+from gateway.completions.exchange import Exchange, Usage
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admitted, Lease
+from routing.admission.plan import Candidate
 from routing.registry import Registry
 from tiers.policy import Tier, TiersConfig
 from tiers.usage import UsageRecord, utc_now_ms

@@ -8,8 +8,8 @@ import orjson
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from gateway.asgi import error_parts
-from gateway.body import MAX_DEPTH, MAX_LOC_KEY, MAX_LOC_PARTS, dumps, parse_body
+from gateway.edge.asgi import error_parts
+from gateway.edge.body import MAX_DEPTH, MAX_LOC_KEY, MAX_LOC_PARTS, dumps, parse_body
 from gateway.errors import RequestInvalid
 from gateway.schemas.chat import ChatRequest
 from gateway.schemas.completions import CompletionRequest

@@ -11,10 +11,10 @@ import orjson
 from hypothesis import event, given, settings
 from pydantic import BaseModel, ConfigDict
 
-from gateway.asgi import error_parts
-from gateway.body import MAX_DEPTH, dumps, parse_body
+from gateway.completions.hop import worker_body
+from gateway.edge.asgi import error_parts
+from gateway.edge.body import MAX_DEPTH, dumps, parse_body
 from gateway.errors import RequestInvalid
-from gateway.hop import worker_body
 from tests.gateway.json_text import bodies, depth, has_lone_surrogate
 from tiers.policy import Tier
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.cli import _parser, main
-from routing.ledger import USAGE_STREAM
+from gateway.cli.main import _parser, main
+from routing.ledger.records import USAGE_STREAM
 from tests import conftest as root
 from tests.factories import usage_record
 from tests.test_docs import OUTSIDE

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 import routing.errors
-from gateway.asgi import error_parts
+from gateway.edge.asgi import error_parts
 from gateway.errors import (
     GatewayError,
     ModelNotFound,
@@ -199,14 +199,14 @@ def test_the_model_the_error_concerns_is_kept(exc: RoutingError) -> None:
 
 # --- the Lua scripts ---------------------------------------------------------------------------
 
-LUA = Path(routing.errors.__file__).parent / "lua"
+LUA = Path(routing.errors.__file__).parent / "store" / "lua"
 # A reason mentioned in Lua: a quoted or backticked snake_case word.
 TOKEN = re.compile(r"""[`'"]([a-z]+(?:_[a-z]+)+)[`'"]""")
 
 
 def test_the_reasons_lua_mentions_are_members_of_the_enums() -> None:
-    """Lua answers with statuses (routing/slots.py); where it names a reason, in a reply or
-    a comment, the name is one of the enums'. Reason-shaped: ends like one of them."""
+    """Lua answers with statuses (routing/admission/slots.py); where it names a reason, in a reply
+    or a comment, the name is one of the enums'. Reason-shaped: ends like one of them."""
     reasons = {str(r) for r in [*LimitReason, *UnavailableReason]}
     endings = {r.rsplit("_", 1)[1] for r in reasons}
     named = {

@@ -14,9 +14,9 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from gateway import exporter
-from gateway.exporter import RECORD_COLUMNS, TOTAL_COLUMNS, export, records, since_id, summarize
-from routing.ledger import USAGE_STREAM
+from gateway.cli import exporter
+from gateway.cli.exporter import RECORD_COLUMNS, TOTAL_COLUMNS, export, records, since_id, summarize
+from routing.ledger.records import USAGE_STREAM
 from tests.factories import usage_record
 from tiers.usage import UsageRecord
 

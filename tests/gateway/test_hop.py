@@ -10,14 +10,14 @@ import fakeredis
 import orjson
 import pytest
 
-from gateway.asgi import Message, Reply
-from gateway.exchange import Exchange, Usage
-from gateway.hop import Hop
-from gateway.settings import parse_config
-from gateway.state import GatewayState
-from routing.admission import Admitted
+from gateway.completions.exchange import Exchange, Usage
+from gateway.completions.hop import Hop
+from gateway.edge.asgi import Message, Reply
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
+from routing.admission.admit import Admitted
+from routing.admission.plan import plan_candidates
 from routing.errors import WorkerBrokeOff, WorkerFailed, WorkerTimeout
-from routing.plan import plan_candidates
 
 KNOWN = ("http://known-1:8000", "http://known-2:8000")
 ELSEWHERE = "http://only-in-another-replicas-config:8000"

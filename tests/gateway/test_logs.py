@@ -1,4 +1,5 @@
-"""Log lines (gateway/logs.py) and the access log middleware (gateway/access.py), in process.
+"""Log lines (gateway/edge/logs.py) and the access log middleware (gateway/edge/access.py), in
+process.
 
 The whole path through a real gateway process is in tests/e2e/test_logs.py."""
 
@@ -12,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.access import NOTE, AccessLog, AccessNote
-from gateway.asgi import Receive, Scope, Send
-from gateway.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
+from gateway.edge.access import NOTE, AccessLog, AccessNote
+from gateway.edge.asgi import Receive, Scope, Send
+from gateway.edge.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 
 
 def scope(path: str = "/v1/chat/completions", method: str = "POST") -> Scope:

@@ -1,4 +1,4 @@
-"""gateway.protocol.py: a response head leaves with its body, in one write, in order."""
+"""gateway/edge/protocol.py: a response head leaves with its body, in one write, in order."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway import protocol
-from gateway.protocol import (
+from gateway.edge import protocol
+from gateway.edge.protocol import (
     GatewayProtocol,
     HeadJoiningTransport,
     forget_disconnect,
@@ -330,7 +330,7 @@ async def test_write_answer_declines_what_it_cannot_send_whole() -> None:
 
 
 async def test_an_idle_connection_closes_a_keep_alive_timeout_after_its_last_answer() -> None:
-    """One timer per idle spell (gateway/protocol.py): a request inside the timeout keeps
+    """One timer per idle spell (gateway/edge/protocol.py): a request inside the timeout keeps
     the connection, and the close comes a whole timeout after the last answer."""
     app = _WholeApp()
     sock = socket.socket()

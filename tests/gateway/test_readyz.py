@@ -8,9 +8,9 @@ import asyncio
 import httpx
 import redis
 
-from gateway.app import build_app
-from gateway.settings import parse_config
-from gateway.state import GatewayState
+from gateway.app.front import build_app
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from tests.redis_server import RedisServer
 
 CONFIG = """

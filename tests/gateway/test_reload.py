@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.reload import ConfigWatcher
-from gateway.settings import GatewayConfig, parse_config
-from gateway.state import GatewayState
+from gateway.runtime.reload import ConfigWatcher
+from gateway.runtime.settings import GatewayConfig, parse_config
+from gateway.runtime.state import GatewayState
+from routing.admission.plan import plan_candidates
 from routing.background import BackgroundErrors
 from routing.errors import RoutingError
-from routing.plan import plan_candidates
 
 
 def config_text(size: int) -> str:

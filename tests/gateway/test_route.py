@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway import hop, route
-from routing.ledger import USAGE_STREAM
+from gateway.completions import hop, route
+from routing.ledger.records import USAGE_STREAM
 from tests.gateway.json_text import bodies
 from tests.gateway.test_app import KEY, STREAM, ScriptedResponse, _settled, make_app
 

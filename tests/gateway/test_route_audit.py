@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway import route
+from gateway.completions import route
 from tests.gateway.test_app import make_app
 from tests.gateway.test_route import BASE, leases_left, records, send
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from starlette.routing import Route
 
-from gateway.app import GatewayApp, build_app
+from gateway.app.front import GatewayApp, build_app
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from gateway.schemas.completions import CompletionRequest
-from gateway.settings import parse_config
-from gateway.state import GatewayState
 
 KEY = "sk-routes"
 KEY_ONE = "sk-routes-one-model"

@@ -1,4 +1,4 @@
-"""gateway/server.py: how a stop ends, on a real uvicorn server in this loop. Whether the
+"""gateway/edge/server.py: how a stop ends, on a real uvicorn server in this loop. Whether the
 grace runs out or a second signal forces it, the requests still running are cut short and
 waited for (a caller that does not read loses its connection, which ends the write it
 blocks), and only then does the lifespan shutdown run, once."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gateway import server as server_module
-from gateway.server import _DrainingServer, _QuietServer, server_config
-from gateway.workers import FORCE_SIGNAL
+from gateway.edge import server as server_module
+from gateway.edge.server import _DrainingServer, _QuietServer, server_config
+from gateway.edge.workers import FORCE_SIGNAL
 
 
 class _App:

@@ -1,6 +1,6 @@
 """What a started server relies on, checked on the real route and the server's own protocol
 over the run's Redis and a real simulated worker: a request leaves no reference cycle
-behind (gateway/server.py `settle_gc` freezes the collector's old objects and raises its
+behind (gateway/edge/server.py `settle_gc` freezes the collector's old objects and raises its
 thresholds), and no thread is started (metrics change without a lock: gateway/metrics.py
 `LoopValue`)."""
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import build_app
-from gateway.server import GC_THRESHOLDS, _DrainingServer, server_config, settle_gc
-from gateway.settings import parse_config
-from gateway.state import GatewayState
+from gateway.app.front import build_app
+from gateway.edge.server import GC_THRESHOLDS, _DrainingServer, server_config, settle_gc
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from tests import conftest
 from tests.e2e import procs
 

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.settings import ConfigError, GatewayConfig, load_config, packaged_config, parse_config
+from gateway.runtime.settings import (
+    ConfigError,
+    GatewayConfig,
+    load_config,
+    packaged_config,
+    parse_config,
+)
 from tiers.policy import Tier, TierPolicy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,15 +12,15 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.app import GatewayApp, build_app
-from gateway.settings import parse_config
-from gateway.state import GatewayState
-from gateway.trace import (
+from gateway.app.front import GatewayApp, build_app
+from gateway.completions.trace import (
     MAX_TRACESTATE,
     trace_headers,
     valid_traceparent,
     valid_tracestate,
 )
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from tests.gateway.test_app import ANSWER
 from tests.redis_server import free_port
 

@@ -1,4 +1,4 @@
-"""The supervisor of `serve --workers N` (gateway/workers.py), forking this test process.
+"""The supervisor of `serve --workers N` (gateway/edge/workers.py), forking this test process.
 
 Each worker here is a stand-in for a gateway that reports over a pipe (`s<pid>` when it
 serves, `h` on SIGHUP, `t` on SIGTERM, then it returns as a drained gateway does), so the
@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gateway import workers
-from gateway.workers import Workers
+from gateway.edge import workers
+from gateway.edge.workers import Workers
 
 
 @pytest.fixture

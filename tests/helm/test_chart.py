@@ -29,8 +29,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.server import CUT_WAIT_S, DROPPED_WAIT_S
-from gateway.settings import parse_config
+from gateway.edge.server import CUT_WAIT_S, DROPPED_WAIT_S
+from gateway.runtime.settings import parse_config
 from tests.conftest import REDIS_URL
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,17 +16,20 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import from_routing
-from gateway.settings import GatewayConfig, parse_config
-from routing.admission import Admission, Admitted, Lease
-from routing.affinity import rendezvous
+from gateway.runtime.settings import GatewayConfig, parse_config
+from routing.admission.admit import Admission, Admitted, Lease
+from routing.admission.affinity import rendezvous
+from routing.admission.keeper import Keeper
+from routing.admission.plan import Candidate, plan_candidates
+from routing.admission.slots import QUEUED
 from routing.errors import Limited, Unavailable
-from routing.keeper import Keeper
-from routing.ledger import UsageSettings, UsageSpool, identity
-from routing.plan import Candidate, plan_candidates
+from routing.ledger.records import UsageSettings, identity
+from routing.ledger.spool import UsageSpool
 from routing.registry import Model, Registry
-from routing.resp import RespClient
-from routing.slots import QUEUED, text
-from routing.store import MAX_CONNECTIONS, RedisPyStore, Store, connect, script_store, subscriber
+from routing.store.base import Store
+from routing.store.connect import MAX_CONNECTIONS, RedisPyStore, connect, script_store, subscriber
+from routing.store.resp import RespClient
+from routing.store.wire import text
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from routing.affinity import affinity_key, rendezvous
+from routing.admission.affinity import affinity_key, rendezvous
 
 URLS = [f"http://w{i}:8000" for i in range(4)]
 

@@ -13,13 +13,14 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.settings import parse_config
-from routing.admission import Admission
-from routing.keeper import Keeper
-from routing.plan import plan_candidates
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
+from routing.admission.keeper import Keeper
+from routing.admission.plan import plan_candidates
 from routing.registry import Registry
-from routing.resp import RespClient
-from routing.store import RedisPyStore, Store
+from routing.store.base import Store
+from routing.store.connect import RedisPyStore
+from routing.store.resp import RespClient
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
 

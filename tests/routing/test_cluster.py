@@ -1,6 +1,6 @@
-"""The Cluster store (routing/cluster.py) against a real 3-master Redis Cluster: slot
+"""The Cluster store (routing/store/cluster.py) against a real 3-master Redis Cluster: slot
 routing, batches split per node and put back in order, scripts on every master, MOVED and
-ASK followed, a failed part failing the batch; and the detection in routing/store.py."""
+ASK followed, a failed part failing the batch; and the detection in routing/store/connect.py."""
 
 from __future__ import annotations
 
@@ -15,22 +15,21 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, ResponseError
 
-from routing.cluster import ClusterStore
-from routing.resp import Command, NotSent, RespClient
-from routing.scripts import Scripts
-from routing.slotmap import ANY, EVERY, redirect_of, slot_of
-from routing.store import (
-    Store,
+from routing.store.base import Store
+from routing.store.cluster import ClusterStore
+from routing.store.connect import (
     _node_url,
     _without_db,
     connect,
     is_cluster,
-    probe,
     script_store,
-    start_problem,
     subscriber,
 )
-from routing.wire import Transaction
+from routing.store.probe import probe, start_problem
+from routing.store.resp import Command, NotSent, RespClient
+from routing.store.scripts import Scripts
+from routing.store.slotmap import ANY, EVERY, redirect_of, slot_of
+from routing.store.wire import Transaction
 from tests.conftest import REDIS_URL
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer, self_signed
@@ -165,7 +164,7 @@ async def test_a_moved_slot_is_followed_and_learned(
 async def test_a_transaction_runs_whole_on_the_node_of_its_keys_and_follows_a_move(
     store: ClusterStore, empty_cluster: RedisCluster
 ) -> None:
-    """A usage record's first send (routing/ledger.py) is a MULTI block: it goes with its
+    """A usage record's first send (routing/ledger/records.py) is a MULTI block: it goes with its
     keys' slot, in a batch split over the nodes, and a MOVED aborts it whole (EXECABORT)
     before it is resent whole to the slot's new master."""
     tags = tags_on_each_node(empty_cluster, "multi")
@@ -292,7 +291,7 @@ async def test_an_unreachable_cluster_is_not_sent() -> None:
         await store.aclose()
 
 
-# --- detection (routing/store.py) ------------------------------------------------------------
+# --- detection (routing/store/connect.py) ---------------------------------------------------------
 
 
 async def test_a_cluster_is_detected_from_any_node(

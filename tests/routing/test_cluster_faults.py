@@ -15,12 +15,14 @@ from typing import cast
 
 import pytest
 
-from gateway.settings import parse_config
-from routing.cluster import ClusterStore
+from gateway.runtime.settings import parse_config
 from routing.errors import Limited, Unavailable
-from routing.ledger import UsageSettings, UsageSpool
+from routing.ledger.records import UsageSettings
+from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
-from routing.store import connect, probe
+from routing.store.cluster import ClusterStore
+from routing.store.connect import connect
+from routing.store.probe import probe
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer

@@ -15,12 +15,12 @@ import pytest
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.settings import parse_config
-from routing.cluster import ClusterStore
+from gateway.runtime.settings import parse_config
 from routing.errors import Unavailable
 from routing.registry import Registry
-from routing.resp import NotSent, RespClient
-from routing.store import cluster_store, connect
+from routing.store.cluster import ClusterStore
+from routing.store.connect import cluster_store, connect
+from routing.store.resp import NotSent, RespClient
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 from tests.routing.test_admission import CONFIG, Fleet, admit, bounded

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import pairwise
 
-from routing.endpoints import Pool, Pools
+from routing.hop.endpoints import Pool, Pools
 from routing.registry import ModelConfig, Registry
 
 

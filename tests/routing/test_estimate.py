@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.estimate import MAX_RETRY_AFTER_S, RetryAfter, retry_after_s
+from routing.admission.estimate import MAX_RETRY_AFTER_S, RetryAfter, retry_after_s
 
 
 def test_without_any_measure_it_is_the_queue_ahead() -> None:

@@ -10,8 +10,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.scripts import Scripts
-from routing.slots import GRANTED, QUEUED, RANK, ModelSlots, attempt, make_lease_id, text
+from routing.admission.slots import GRANTED, QUEUED, RANK, ModelSlots, attempt, make_lease_id
+from routing.store.scripts import Scripts
+from routing.store.wire import text
 from tests.redis_cluster import RedisCluster
 from tests.routing.test_cluster import lean_store
 from tests.routing.test_slots import TIMING, A, B, Model

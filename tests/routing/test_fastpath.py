@@ -1,4 +1,4 @@
-"""The scripts' cheap common case (routing/lua/acquire.lua, release.lua): an acquire with
+"""The scripts' cheap common case (routing/store/lua/acquire.lua, release.lua): an acquire with
 room and nobody queued, and a release that leaves nobody queued, skip the reclaim of
 expired leases and the pump. Expired leases then never turn a request away, and both still
 run when Redis is full."""
@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from routing.slots import GRANTED
+from routing.admission.slots import GRANTED
 from tests.redis_server import RedisServer
 from tests.routing.test_slots import A, B, Model, slots
 

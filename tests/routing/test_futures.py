@@ -1,4 +1,4 @@
-"""Passing futures' outcomes on (routing/futures.py): `shielded`, the hot path's
+"""Passing futures' outcomes on (routing/store/futures.py): `shielded`, the hot path's
 `asyncio.shield` for a future, keeps its promise: a cancelled waiter leaves the work alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from routing.futures import shielded
+from routing.store.futures import shielded
 
 
 async def test_the_outcome_reaches_the_waiter() -> None:

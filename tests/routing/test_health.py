@@ -13,9 +13,9 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gateway.settings import parse_config
+from gateway.runtime.settings import parse_config
 from routing.background import BackgroundErrors
-from routing.health import Health, HealthSettings, _gauge
+from routing.hop.health import Health, HealthSettings, _gauge
 from routing.registry import Registry
 
 CONFIG = """

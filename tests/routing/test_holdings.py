@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from routing.holdings import FORGET_ROUNDS, MAX_ORPHANS, Holdings, Lease, Waiter
+from routing.admission.holdings import FORGET_ROUNDS, MAX_ORPHANS, Holdings, Lease, Waiter
 
 
 def test_in_doubt_ids_are_forgotten_after_their_rounds() -> None:

@@ -1,4 +1,4 @@
-"""The hop's error translation (routing/hopclient.py): the same `Worker*` error and message
+"""The hop's error translation (routing/hop/client.py): the same `Worker*` error and message
 for each failure as the aiohttp `Upstream` gave (tests/routing/test_upstream.py), against
 raw sockets on 127.0.0.1 playing misbehaving workers."""
 
@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import pytest
 
 from routing.errors import WorkerBrokeOff, WorkerFailed, WorkerTimeout, WorkerUnreachable
-from routing.hopclient import HopClient, HopResponse
-from routing.http1 import Disconnected, NotHttp, Silent
-from routing.upstream import UpstreamSettings
+from routing.hop.client import HopClient, HopResponse
+from routing.hop.http1 import Disconnected, NotHttp, Silent
+from routing.hop.upstream import UpstreamSettings
 
 BOUND_S = 10.0
 # Short, so that a stalled worker times out at once; nothing asserts how long it took.

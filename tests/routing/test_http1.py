@@ -1,4 +1,4 @@
-"""The HTTP/1.1 client protocol and its pool (routing/http1.py, routing/hopclient.py) against
+"""The HTTP/1.1 client protocol and its pool (routing/hop/http1.py, routing/hop/client.py) against
 real servers on 127.0.0.1: odd chunk boundaries, keep-alive reuse, a worker that closes a
 kept connection, cancel = close, the pool's bound and reading paused for a lagging caller."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from routing.errors import WorkerBrokeOff
-from routing.hopclient import HopClient
-from routing.http1 import HIGH_WATER, Connection
-from routing.upstream import UpstreamSettings
+from routing.hop.client import HopClient
+from routing.hop.http1 import HIGH_WATER, Connection
+from routing.hop.upstream import UpstreamSettings
 from tests.routing.test_hopclient import BOUND_S, HEADERS, bounded, head, worker
 
 EVENTS = b"".join(b'data: {"n": %d}\n\n' % i for i in range(40)) + b"data: [DONE]\n\n"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.settings import parse_config
+from gateway.runtime.settings import parse_config
 from routing.errors import Unavailable
-from routing.ledger import USAGE_STREAM
+from routing.ledger.records import USAGE_STREAM
 from routing.registry import Registry
 from tests.factories import usage_record
 from tests.routing import test_admission

@@ -1,4 +1,4 @@
-"""The keeper's rounds (routing/keeper.py) against the run's Redis: the sweep writes back
+"""The keeper's rounds (routing/admission/keeper.py) against the run's Redis: the sweep writes back
 what Redis lost, says the replica is alive, survives whatever a round raises; the spool
 round sends spooled records and reports those Redis refuses. What tests/routing/
 test_admission.py already covers (leases kept alive, lost wake-ups, a `_round` that raises
@@ -15,13 +15,14 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from gateway.settings import parse_config
-from routing.admission import Admission
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
+from routing.admission.keeper import REPLICAS_KEY, Keeper
 from routing.background import BackgroundErrors
-from routing.keeper import REPLICAS_KEY, Keeper
-from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool
+from routing.ledger.records import USAGE_STREAM, UsageSettings
+from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
-from routing.storeerrors import StoreErrors
+from routing.store.causes import StoreErrors
 from tests.conftest import REDIS_URL
 from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, intercept
 

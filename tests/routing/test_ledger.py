@@ -16,26 +16,27 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from gateway.settings import parse_config
-from routing import ledger
-from routing.admission import STORE_ERRORS, Admission, Lease
-from routing.ledger import (
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import STORE_ERRORS, Admission, Lease
+from routing.admission.plan import plan_candidates
+from routing.ledger import records as ledger
+from routing.ledger.records import (
     DEDUPE_MAX_S,
     USAGE_STREAM,
     FirstSends,
     StreamStats,
     UsageSettings,
-    UsageSpool,
     identity,
     record_call,
     store_sender,
     trim_stream,
 )
-from routing.plan import plan_candidates
+from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
-from routing.resp import RespClient
-from routing.scripts import Scripts
-from routing.store import RedisPyStore, Store, connect
+from routing.store.base import Store
+from routing.store.connect import RedisPyStore, connect
+from routing.store.resp import RespClient
+from routing.store.scripts import Scripts
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_server import RedisServer
@@ -171,7 +172,7 @@ def test_record_call_shape() -> None:
 
 
 def test_ids_are_remembered_no_longer_than_the_retention(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("routing.ledger.time.time", lambda: NOW_S + 0.5)
+    monkeypatch.setattr("routing.ledger.records.time.time", lambda: NOW_S + 0.5)
     fields = usage_fields(ts=NOW_TS)
     _, _, short = record_call(fields, 2.5)
     assert short[0] == NOW_S * 1000 + 2500
@@ -180,7 +181,7 @@ def test_ids_are_remembered_no_longer_than_the_retention(monkeypatch: pytest.Mon
     _, _, (_, expire, _) = first_record_call(fields, 2.5)
     assert list(expire[2]) == [NOW_S * 1000 + 2500]
     # A record older than that (a long outage's spool) is remembered that long from now.
-    monkeypatch.setattr("routing.ledger.time.time", lambda: NOW_S + 3 * DAY_S)
+    monkeypatch.setattr("routing.ledger.records.time.time", lambda: NOW_S + 3 * DAY_S)
     _, _, late = record_call(fields, DAY_S)
     assert late[0] == (NOW_S + 4 * DAY_S) * 1000
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from routing.admission.holdings import Holdings
+from routing.admission.outage import LocalShares, Outage
+from routing.admission.plan import plan_candidates
 from routing.errors import Limited, LimitReason, Unavailable, UnavailableReason
-from routing.holdings import Holdings
-from routing.outage import LocalShares, Outage
-from routing.plan import plan_candidates
 from routing.registry import ModelConfig, Registry
 from tiers.policy import Tier, TiersConfig
 

@@ -7,8 +7,8 @@ from collections.abc import Collection, Sequence
 import pytest
 
 from gateway.errors import from_routing
+from routing.admission.plan import Candidate, plan_candidates
 from routing.errors import UnknownModel
-from routing.plan import Candidate, plan_candidates
 from routing.registry import ModelConfig, Registry
 from tiers.policy import Tier
 

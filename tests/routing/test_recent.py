@@ -16,14 +16,15 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.settings import parse_config
-from routing.admission import Admission
-from routing.keeper import Keeper
-from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool, record_call
-from routing.plan import plan_candidates
-from routing.recent import Recent
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
+from routing.admission.keeper import Keeper
+from routing.admission.plan import plan_candidates
+from routing.ledger.recent import Recent
+from routing.ledger.records import USAGE_STREAM, UsageSettings, record_call
+from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
-from routing.resp import RespClient
+from routing.store.resp import RespClient
 from tests.redis_server import RedisServer
 from tests.routing.servers import Locator
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from routing.endpoints import Endpoint
+from routing.hop.endpoints import Endpoint
 from routing.registry import EndpointConfig, ModelConfig, Registry
 from tiers.policy import Tier
 

@@ -15,8 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from routing.resp import NotSent, RespClient
-from routing.wire import Command, pack
+from routing.store.resp import NotSent, RespClient
+from routing.store.wire import Command, pack
 from tests.conftest import REDIS_URL
 from tests.redis_server import RedisServer
 

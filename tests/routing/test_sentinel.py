@@ -1,4 +1,4 @@
-"""redis+sentinel:// URLs (routing/sentinel.py): their parsing, and the lean client on a
+"""redis+sentinel:// URLs (routing/store/sentinel.py): their parsing, and the lean client on a
 master found by a locator, against real redis-servers this test starts (a replica made by
 REPLICAOF, two masters to move between). The sentinels themselves, and a real failover,
 are in tests/e2e/test_sentinel.py."""
@@ -15,9 +15,10 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from gateway.settings import ConfigError, parse_config
-from routing.resp import Demoted, NotSent, RespClient
-from routing.sentinel import (
+from gateway.runtime.settings import ConfigError, parse_config
+from routing.store.causes import cause_of
+from routing.store.resp import Demoted, NotSent, RespClient
+from routing.store.sentinel import (
     FollowingPool,
     NoSentinel,
     Sentinels,
@@ -26,7 +27,6 @@ from routing.sentinel import (
     _Sentinel,
     parse,
 )
-from routing.storeerrors import cause_of
 from tests.redis_server import RedisServer, free_port
 from tests.routing.servers import Locator
 

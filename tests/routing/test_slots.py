@@ -11,9 +11,8 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-import routing.slots as slots_module
-from routing.scripts import Scripts
-from routing.slots import (
+import routing.admission.slots as slots_module
+from routing.admission.slots import (
     BUSY,
     FULL,
     GRANTED,
@@ -27,9 +26,10 @@ from routing.slots import (
     account_key,
     attempt,
     sweep_result,
-    text,
 )
-from routing.store import RedisPyStore
+from routing.store.connect import RedisPyStore
+from routing.store.scripts import Scripts
+from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier
 
 A, B = "http://a:8000", "http://b:8000"

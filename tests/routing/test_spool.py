@@ -1,6 +1,6 @@
-"""The usage spool's files (routing/spoolfile.py, UsageSpool in routing/ledger.py): one per
-process and store, locked for the process's life; torn lines set aside, never fatal;
-spools of gone processes adopted by a gateway of the same store only, exactly once."""
+"""The usage spool's files (routing/ledger/spoolfile.py, UsageSpool in routing/ledger/spool.py): one
+per process and store, locked for the process's life; torn lines set aside, never fatal; spools of
+gone processes adopted by a gateway of the same store only, exactly once."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from routing import spoolfile
-from routing.ledger import USAGE_STREAM, UsageSettings, UsageSpool, store_sender
-from routing.scripts import Call, Scripts
-from routing.store import RedisPyStore
+from routing.ledger import spoolfile
+from routing.ledger.records import USAGE_STREAM, UsageSettings, store_sender
+from routing.ledger.spool import UsageSpool
+from routing.store.connect import RedisPyStore
+from routing.store.scripts import Call, Scripts
 from tests.conftest import REDIS_URL
 
 RID = "t-spool-"
@@ -87,7 +88,8 @@ def gone_process_spool(directory: Path, url: str, rids: Sequence[str]) -> Path:
     """A spool left by a process that exited (its lock went with it); its data file."""
     code = (
         "import sys\n"
-        "from routing.ledger import UsageSettings, UsageSpool\n"
+        "from routing.ledger.records import UsageSettings\n"
+        "from routing.ledger.spool import UsageSpool\n"
         "spool = UsageSpool(UsageSettings(spool_dir=sys.argv[1]), sys.argv[2])\n"
         "for rid in sys.argv[3:]:\n"
         "    assert spool.add({'request_id': rid, 'account': 't-spool', 'status': '200'})\n"
@@ -207,7 +209,7 @@ def test_an_unencodable_record_counts_lost(tmp_path: Path) -> None:
 
 
 async def test_flush_sends_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("routing.ledger.FLUSH_BATCH", 2)
+    monkeypatch.setattr("routing.ledger.spool.FLUSH_BATCH", 2)
     spool = spool_in(tmp_path)
     for i in range(5):
         spool.add(record(i))
@@ -234,7 +236,7 @@ async def test_refused_records_stay_and_go_next_round(tmp_path: Path) -> None:
 async def test_redis_going_away_mid_flush_keeps_what_was_not_sent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("routing.ledger.FLUSH_BATCH", 2)
+    monkeypatch.setattr("routing.ledger.spool.FLUSH_BATCH", 2)
     spool = spool_in(tmp_path)
     for i in range(5):
         spool.add(record(i))
@@ -306,7 +308,7 @@ async def test_an_overlong_line_is_set_aside_cut(tmp_path: Path) -> None:
 
 
 async def test_the_bad_file_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("routing.spoolfile.BAD_MAX_BYTES", 100)
+    monkeypatch.setattr("routing.ledger.spoolfile.BAD_MAX_BYTES", 100)
     spool = spool_in(tmp_path)
     spool.add(record(1))
     with spool.path.open("ab") as out:
@@ -357,7 +359,7 @@ async def test_two_adopters_never_both_send_one_file(tmp_path: Path) -> None:
 async def test_an_adoption_cut_short_leaves_the_rest_to_the_next_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("routing.ledger.FLUSH_BATCH", 2)
+    monkeypatch.setattr("routing.ledger.spool.FLUSH_BATCH", 2)
     rids = [f"{RID}{i}" for i in range(5)]
     gone = gone_process_spool(tmp_path, REDIS_URL, rids)
     adopter = spool_in(tmp_path)

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.settings import parse_config
-from routing.admission import Admission
+from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
+from routing.admission.holdings import FORGET_ROUNDS
+from routing.admission.keeper import Keeper
+from routing.admission.plan import plan_candidates
 from routing.errors import Limited, Unavailable
-from routing.holdings import FORGET_ROUNDS
-from routing.keeper import Keeper
-from routing.plan import plan_candidates
 from routing.registry import Registry
-from routing.resp import RespClient
+from routing.store.resp import RespClient
 from tests.redis_server import RedisServer
 from tests.routing.test_admission import watch_queued
 

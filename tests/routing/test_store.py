@@ -13,18 +13,18 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import DataError, ResponseError
 
-from routing.resp import RespClient
-from routing.scripts import Scripts
-from routing.slots import account_key
-from routing.store import (
+from routing.admission.slots import account_key
+from routing.store.base import Store
+from routing.store.connect import (
     MAX_CONNECTIONS,
     RedisPyStore,
-    Store,
     call_timeout,
     connect,
     script_store,
     subscriber,
 )
+from routing.store.resp import RespClient
+from routing.store.scripts import Scripts
 from tests.conftest import REDIS_URL
 
 

@@ -19,8 +19,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from routing import background
 from routing.background import BackgroundErrors, backoff, every
-from routing.resp import NotSent
-from routing.storeerrors import REFUSAL_MEMORY_S, StoreErrors, cause_of
+from routing.store.causes import REFUSAL_MEMORY_S, StoreErrors, cause_of
+from routing.store.resp import NotSent
 
 WRONGPASS = "redis: WRONGPASS invalid username-password pair or user is disabled."
 

@@ -1,0 +1,148 @@
+"""The ASGI application: the two hot routes as plain ASGI, the rest on Starlette.
+
+`build_app(config)` returns an app whose lifespan starts and stops the GatewayState. The
+front dispatcher sends `POST /v1/completions` and `/v1/chat/completions` straight to their
+CompletionRoute (gateway/completions/route.py: no Starlette request objects or middleware on
+the hot path); everything else (the operator routes: models, health, readiness, metrics, the
+OpenAPI document) goes through a small Starlette app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.app.openapi import build_openapi
+from gateway.completions.route import CompletionRoute
+from gateway.edge.asgi import Receive, Scope, Send, error_parts, request_id
+from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
+from gateway.metrics import CONTENT_TYPE
+from gateway.runtime.auth import key_from_headers
+from gateway.runtime.state import GatewayState
+from gateway.schemas import ChatRequest, CompletionRequest
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+class GatewayApp:
+    """Front dispatcher: hot routes to their CompletionRoute, the rest to Starlette."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._hot = {
+            COMPLETIONS: CompletionRoute(state, COMPLETIONS, CompletionRequest),
+            CHAT: CompletionRoute(state, CHAT, ChatRequest),
+        }
+        self._openapi = orjson.dumps(build_openapi(CompletionRequest, ChatRequest))
+        self._rest = self._build_starlette()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            proxy = self._hot.get(scope["path"])
+            if proxy is not None:
+                await proxy(scope, receive, send)
+                return
+        await self._rest(scope, receive, send)
+
+    def _build_starlette(self) -> Starlette:
+        @asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            await self.state.start()
+            try:
+                yield
+            finally:
+                await self.state.close()
+
+        routes = [
+            Route("/v1/models", self._models, methods=["GET"]),
+            # `path`: model names hold slashes (meta-llama/Llama-2-70b-chat-hf).
+            Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/openapi.json", self._openapi_json, methods=["GET"]),
+            # Wrong methods on the hot paths land here (POST never does).
+            Route(COMPLETIONS, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
+            Route(CHAT, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
+        ]
+        handlers = {GatewayError: self._gateway_error, HTTPException: self._http_error}
+        return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+
+    async def _models(self, request: Request) -> Response:
+        allowed = await self._allowed_models(request)
+        data = [_model_object(name) for name in allowed]
+        return _json({"object": "list", "data": data}, request)
+
+    async def _model(self, request: Request) -> Response:
+        """One model object; unknown and not-allowed look alike (404), as on the POSTs."""
+        name: str = request.path_params["model"]
+        if name not in await self._allowed_models(request):
+            shown = repr(name[:256])
+            raise ModelNotFound(
+                f"The model {shown} does not exist or is not available to this key."
+            )
+        return _json(_model_object(name), request)
+
+    async def _allowed_models(self, request: Request) -> list[str]:
+        """The configured models this request's key may use (401 without a valid key)."""
+        h = request.headers
+        account = await self.state.keys.authenticate(
+            key_from_headers(h.get("authorization"), h.get("x-api-key"), h.get("xi-api-key"))
+        )
+        names = self.state.registry.names()
+        return [n for n in names if account.models is None or n in account.models]
+
+    async def _healthz(self, request: Request) -> Response:
+        return _json({"status": "ok"}, request)
+
+    async def _readyz(self, request: Request) -> Response:
+        """docs/api.md: 503 with the reason while draining, while a model has no healthy
+        endpoint, or while Redis does not answer within the command timeout or cannot serve
+        (the cause: "redis: WRONGPASS ...", "redis: not a master (sentinel)")."""
+        reason = self.state.unready() or await self.state.store_unready()
+        if reason is not None:
+            return _json({"status": "unavailable", "reason": reason}, request, 503)
+        return _json({"status": "ready"}, request)
+
+    async def _metrics(self, request: Request) -> Response:
+        rid = {"x-request-id": request_id(request.headers.get("x-request-id"))}
+        return Response(self.state.render_metrics(), headers=rid, media_type=CONTENT_TYPE)
+
+    async def _openapi_json(self, request: Request) -> Response:
+        rid = {"x-request-id": request_id(request.headers.get("x-request-id"))}
+        return Response(self._openapi, headers=rid, media_type="application/json")
+
+    async def _method_not_allowed(self, request: Request) -> Response:
+        raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
+
+    async def _gateway_error(self, request: Request, exc: GatewayError) -> Response:
+        status, body, headers = error_parts(exc, request_id(request.headers.get("x-request-id")))
+        return Response(
+            body, status, {k.decode(): v.decode() for k, v in headers}, "application/json"
+        )
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            return await self._gateway_error(request, MethodNotAllowed("Method not allowed."))
+        return await self._gateway_error(request, NotFound(f"No route {request.url.path[:200]}."))
+
+
+def _model_object(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "gateway"}
+
+
+def _json(payload: object, request: Request, status: int = 200) -> Response:
+    rid = request_id(request.headers.get("x-request-id"))
+    return Response(orjson.dumps(payload), status, {"x-request-id": rid}, "application/json")
+
+
+def build_app(state: GatewayState) -> GatewayApp:
+    return GatewayApp(state)

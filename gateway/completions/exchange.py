@@ -1,0 +1,71 @@
+"""One request's state as it walks through the gateway: what was asked (`Parsed`), and
+what happened once it was admitted (`Exchange`, with the `Usage` the worker reported).
+
+Filled by the route (gateway/completions/route.py), the hop (gateway/completions/hop.py) and the
+answer rewriting (gateway/completions/answer.py); read for metrics, the access log and the usage
+record (gateway/completions/billing.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.edge.access import AccessNote
+from gateway.runtime.auth import Account
+from gateway.schemas.common import GatewayRequest
+from tiers.policy import Tier
+
+
+@dataclass(slots=True)
+class Parsed:
+    """An authenticated, validated request, not yet admitted."""
+
+    rid: str
+    started: float
+    account: Account
+    payload: dict[str, Any]
+    request: GatewayRequest
+    # The tier asked for (body, else header), before model and key policy apply.
+    wanted: Tier
+    source: str | None
+    # Filled for the access log when it is on (gateway/edge/access.py).
+    note: AccessNote | None
+
+
+@dataclass(slots=True)
+class Usage:
+    """The token counts the worker reported (or, for a broken stream, the chunks seen)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reported: bool = False
+    # Token chunks relayed: the completion count when a broken stream never reports usage.
+    streamed: int = 0
+
+    def take(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                self.prompt_tokens, self.completion_tokens = prompt, completion
+                self.reported = True
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What happened to one admitted request, for metrics and (later) its usage record."""
+
+    rid: str
+    started: float
+    stream: bool
+    # Whether the caller sees the usage chunk (the worker is always asked for it).
+    include_usage: bool
+    usage: Usage
+    status: int = 200
+    # Set before the last byte goes out: a disconnect after that is not a cancellation.
+    finished: bool = False
+    first_byte: float | None = None
+    # The caller disconnected (a cancellation then is theirs, not the server's shutdown).
+    caller_gone: bool = False
+    # The caller's trace context, checked (gateway/completions/trace.py), for the worker.
+    trace: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,321 @@
+"""POST /v1/completions and /v1/chat/completions: the walk of one request
+(docs/architecture.md).
+
+auth -> body -> tier -> fallback plan -> admission (lease) -> hop -> answer -> release.
+Each step is a call into gateway/, tiers/ or routing/; this module composes them and owns
+the ASGI I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import traceback
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from gateway.completions.answer import error_event
+from gateway.completions.billing import usage_fields
+from gateway.completions.exchange import Exchange, Parsed, Usage
+from gateway.completions.hop import Hop
+from gateway.completions.trace import trace_headers
+from gateway.edge.access import NOTE, AccessNote
+from gateway.edge.asgi import (
+    ClientGone,
+    Receive,
+    Reply,
+    RequestHeaders,
+    Scope,
+    Send,
+    read_body,
+    read_headers,
+    request_id,
+    send_error,
+)
+from gateway.edge.body import parse_body
+from gateway.edge.protocol import forget_disconnect, on_disconnect
+from gateway.errors import (
+    GatewayError,
+    InternalError,
+    RateLimited,
+    ServiceUnavailable,
+    from_routing,
+)
+from gateway.runtime.auth import key_from_headers
+from gateway.runtime.state import GatewayState
+from gateway.schemas.common import GatewayRequest
+from routing.admission.admit import Admitted
+from routing.admission.affinity import affinity_key
+from routing.admission.plan import plan_candidates
+from routing.errors import RoutingError, UnavailableReason
+from tiers.resolve import requested_tier
+
+log = logging.getLogger("gateway.route")
+
+
+class CompletionRoute:
+    """The plain ASGI app behind one completion route."""
+
+    def __init__(self, state: GatewayState, path: str, schema: type[GatewayRequest]) -> None:
+        self._state = state
+        self._path = path
+        self._schema = schema
+        # Asked once: reading a field the schema lacks costs pydantic a raised AttributeError.
+        self._salted = "cache_salt" in schema.model_fields
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        headers = read_headers(scope)
+        rid = request_id(headers.request_id)
+        note: AccessNote | None = scope.get(NOTE)
+        if note is not None:
+            note.request_id = rid
+        reply = Reply(send)
+        try:
+            await self._serve(receive, reply, headers, rid, started, note)
+        except Exception as exc:  # the last resort (house style): it answers, logs and counts
+            if await _crashed(exc, rid, reply, stream=False):
+                self._state.metrics.requests_of("", "", "500").inc()
+
+    async def _serve(
+        self,
+        receive: Receive,
+        reply: Reply,
+        headers: RequestHeaders,
+        rid: str,
+        started: float,
+        note: AccessNote | None,
+    ) -> None:
+        state = self._state
+        try:
+            if state.draining:
+                raise ServiceUnavailable(
+                    "The gateway is shutting down.", reason=UnavailableReason.SHUTTING_DOWN
+                )
+            key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
+            account = await state.keys.authenticate(key)
+            limit = state.config.limits.max_body_bytes
+            payload, request = parse_body(
+                await read_body(receive, headers.content_length, limit), self._schema
+            )
+            payload = request.for_worker(payload)
+        except ClientGone:
+            return
+        except GatewayError as exc:
+            state.metrics.requests_of("", "", str(exc.status)).inc()
+            await send_error(reply, exc, rid)
+            return
+        except asyncio.CancelledError:  # the server's stop cut it short while it was read
+            _uncancel()
+            state.metrics.requests_of("", "", "503").inc()
+            await _end_with(_shut_down(), rid, reply, stream=False)
+            return
+        wanted = requested_tier(request.service_tier, headers.service_tier)
+        parsed = Parsed(rid, started, account, payload, request, wanted, headers.source, note)
+        options = request.stream_options
+        include_usage = True if options is None else bool(options.include_usage)
+        trace = trace_headers(headers.traceparent, headers.tracestate)
+        exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage(), trace=trace)
+        await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
+
+    async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
+        try:
+            admitted = await self._admit(parsed)
+        except RoutingError as exc:  # translated here, where the answer is decided
+            error = from_routing(exc)
+            self._rejected(parsed, error)
+            exchange.finished = True
+            await send_error(reply, error, parsed.rid)
+            return
+        except asyncio.CancelledError:
+            if exchange.caller_gone:
+                raise
+            await _cut_short(parsed.rid, exchange, reply)
+            self._state.metrics.requests_of("", "", str(exchange.status)).inc()
+            return
+        try:
+            hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
+            await hop.run()
+        except ClientGone:
+            exchange.status = 499  # nginx's "client closed request", for metrics only
+        except asyncio.CancelledError:
+            if exchange.caller_gone:
+                exchange.status = 499
+                raise
+            await _cut_short(parsed.rid, exchange, reply)
+        except Exception as exc:  # the last resort: answered, logged, and in the record
+            if not reply.ended:
+                exchange.status = 500  # the record says what the caller got
+            exchange.finished = True
+            await _crashed(exc, parsed.rid, reply, exchange.stream)
+        finally:
+            admission = self._state.admission
+            record: dict[str, str] | None = None
+            try:
+                record = self._record(parsed, admitted, exchange)
+            except Exception as exc:  # the slot must go back whatever the record holds
+                admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
+            # With the record, in one round trip.
+            admission.release(admitted.lease, record)
+            self._observe(admitted, exchange, parsed.note)
+
+    async def _admit(self, parsed: Parsed) -> Admitted:
+        request, account = parsed.request, parsed.account
+        candidates = plan_candidates(
+            request.model,
+            request.models,
+            fail_fast=request.fail_fast,
+            registry=self._state.registry,
+            allowed=account.models,
+            wanted=parsed.wanted,
+            allowed_tiers=account.tiers,
+        )
+        salt = getattr(request, "cache_salt", None) if self._salted else None
+        cache_key = affinity_key(request.prompt_cache_key, salt)
+        admitted = await self._state.admission.admit(
+            candidates, account.name, account.max_concurrency, cache_key, account.weight
+        )
+        if admitted.candidate is not candidates[0]:
+            first = candidates[0].model.name
+            self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
+        return admitted
+
+    def _record(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> dict[str, str]:
+        request = parsed.request
+        return usage_fields(
+            exchange,
+            admitted,
+            account=parsed.account.name,
+            key_id=parsed.account.key_id,
+            requested_model=(request.models or [request.model])[0],
+            requested_tier=parsed.wanted.value,
+            user=request.user,
+            source=parsed.source,
+            payload=parsed.payload,
+            tiers=self._state.config.tiers,
+        )
+
+    def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
+        """Counted under the model the walk stood at (none for an unknown model's 404)."""
+        metrics = self._state.metrics
+        model = exc.model
+        tier = parsed.wanted.value if model else ""
+        if isinstance(exc, RateLimited):
+            metrics.rejections.labels(model, tier, exc.code).inc()
+        metrics.requests_of(model, tier, str(exc.status)).inc()
+        if parsed.note is not None:
+            parsed.note.model, parsed.note.tier = model or None, tier or None
+
+    def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
+        model, tier = admitted.candidate.model.name, admitted.tier.value
+        served = self._state.metrics.served(model, tier)
+        ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
+        served.answered(exchange.status, time.perf_counter() - exchange.started, ttft)
+        if note is not None:
+            note.model, note.tier, note.status = model, tier, exchange.status
+            note.queue_ms = round(admitted.lease.queued_ms, 3)
+            note.ttft_ms = None if ttft is None else round(ttft * 1000, 3)
+        usage = exchange.usage
+        if usage.reported:
+            served.tokens(usage.prompt_tokens, usage.completion_tokens)
+
+
+async def _until_disconnect(
+    work: Coroutine[Any, Any, None], receive: Receive, exchange: Exchange
+) -> None:
+    """Run `work`, cancelling it at once if the caller disconnects before it has finished:
+    told by the server protocol (gateway/edge/protocol.py), else by a task waiting on `receive`."""
+    task = asyncio.current_task()
+    assert task is not None
+
+    def gone() -> None:
+        if not exchange.finished:
+            exchange.caller_gone = True
+            task.cancel()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone()
+
+    told = on_disconnect(receive, gone)
+    watcher = None if told else asyncio.get_running_loop().create_task(watch())
+    try:
+        await work
+    except asyncio.CancelledError:
+        if not exchange.caller_gone:
+            raise
+        task.uncancel()
+    finally:
+        if watcher is None:
+            forget_disconnect(receive)
+        else:
+            watcher.cancel()
+
+
+async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool:
+    """The answer to a failure nobody foresaw, however far the answer had got: a 500 before
+    it started, an SSE error event and the end of a started stream. True if it was sent."""
+    # The type and the place only: an exception's text may quote the body.
+    log.error("request %s failed: unexpected %s at %s", rid, type(exc).__name__, _where(exc))
+    return await _end_with(InternalError(), rid, reply, stream)
+
+
+async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
+    """The server cancelled the request: its graceful shutdown ran out of time. The caller
+    is told so (a 503 `shutting_down`, or an SSE error event ending a started stream)
+    rather than cut off, and the record says what it got."""
+    _uncancel()
+    exchange.finished = True
+    error = _shut_down()
+    if not reply.ended:
+        exchange.status = error.status
+    await _end_with(error, rid, reply, exchange.stream)
+
+
+def _uncancel() -> None:
+    """The cancel is answered here: the request ends normally."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+
+
+def _shut_down() -> ServiceUnavailable:
+    return ServiceUnavailable(
+        "The gateway shut down before the answer was complete.",
+        reason=UnavailableReason.SHUTTING_DOWN,
+    )
+
+
+async def _end_with(error: GatewayError, rid: str, reply: Reply, stream: bool) -> bool:
+    """`error` as the end of the answer, however far it had got. True if it was sent."""
+    if reply.ended:
+        return False
+    try:
+        if not reply.started:
+            await send_error(reply, error, rid)
+            return True
+        if stream:
+            event = error_event(error)
+            await reply({"type": "http.response.body", "body": event, "more_body": True})
+        await reply({"type": "http.response.body", "body": b"", "more_body": False})
+    except OSError:  # the caller is gone as well: nobody is left to tell
+        return False
+    return True
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of the gateway's own code that the exception went through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(_PACKAGES)] or frames
+    if not ours:
+        return "?"
+    frame = ours[-1]
+    return f"{frame.filename.removeprefix(_ROOT)}:{frame.lineno} ({frame.name})"
+
+
+_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+_PACKAGES = tuple(_ROOT + package + os.sep for package in ("gateway", "routing", "tiers"))

@@ -1,0 +1,134 @@
+"""One candidate's acquire in Redis: its model's slot, or a place in its queue, and with a
+walk's first try the account's own slot, in the same round trip (docs/api.md).
+
+`Walk` is one request's walk over its candidates (routing/admission/admit.py walks them). A call
+whose caller went away is given back when its reply arrives (routing/admission/handback.py); a
+request that may wait registers its waiter first (routing/admission/waiting.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from routing.admission import refusals
+from routing.admission.affinity import rendezvous
+from routing.admission.handback import Handback
+from routing.admission.plan import Candidate
+from routing.admission.slots import ACCOUNT_FULL, GRANTED, QUEUED, Attempt, Timing, attempt
+from routing.admission.waiting import Waiting
+from routing.store.scripts import first_error
+from tiers.policy import Tier
+
+
+@dataclass(slots=True)
+class Walk:
+    """One request's walk over its candidates."""
+
+    lease_id: str
+    account: str
+    akey: str  # the account's key in Redis
+    limit: int
+    cache_key: str | None  # prefix-cache affinity: the endpoints in this key's order
+    # Whether the account's count holds an entry for this walk (taken with the first try).
+    has_account: bool = False
+    # The candidate being tried: an error out of the walk concerns it (its metric label).
+    at: str = ""
+
+
+class Acquire:
+    def __init__(
+        self, handback: Handback, waiting: Waiting, timing: Timing, clock: Callable[[], float]
+    ) -> None:
+        # The same store, slots and holdings as the give-backs.
+        self.scripts, self.store = handback.scripts, handback.store
+        self.slots, self.holdings = handback.slots, handback.holdings
+        self.handback = handback
+        self.waiting = waiting
+        self.timing = timing
+        self._clock = clock
+
+    async def past_rebuild(
+        self, walk: Walk, cand: Candidate, tier: Tier, deadline: float
+    ) -> Attempt:
+        """`try_one`; a request that may wait and finds the model being rebuilt (Redis lost
+        its state, routing/store/lua/prelude.lua) waits for the window to end and tries again until
+        `deadline` (its queue timeout). Meanwhile it holds no account entry: the account's
+        count may not be written back yet, so it is checked again after."""
+        while True:
+            result = await self.try_one(walk, cand, tier)
+            left = deadline - self._clock()
+            if not (result.rebuild_ms and cand.may_wait and left > 0):
+                return result
+            self.holdings.waiters.pop(walk.lease_id, None)
+            if self.holdings.walking.pop(walk.lease_id, None) is not None:
+                walk.has_account = False
+                self.handback.give_back(walk.lease_id, None, walk.akey)
+            await asyncio.sleep(min(result.rebuild_ms / 1000, left))
+
+    async def try_one(self, walk: Walk, cand: Candidate, tier: Tier) -> Attempt:
+        """One candidate's acquire; the first also takes the account's own slot, in the same
+        round trip (and the model's slot goes back if the account is at its limit)."""
+        model = cand.model.name
+        calls = self._calls(walk, cand, tier)
+        with_account = not walk.has_account
+        replies = await self.handback.outliving(
+            self.scripts.send(self.store, calls), walk.lease_id, model,
+            walk.akey if with_account else None,
+        )  # fmt: skip
+        # On one Redis the acquire script itself takes the account's slot (one call).
+        merged = with_account and self.store.one_node
+        if with_account and _took_account(replies, merged):
+            walk.has_account = True
+            self.holdings.walking[walk.lease_id] = walk.akey
+        if (error := first_error(replies)) is not None:
+            # What the other call took goes back; a single call's own part too (a script
+            # that failed midway keeps what it wrote before).
+            account = walk.akey if merged else None
+            self.handback.give_back(walk.lease_id, model, account)
+            raise error
+        result = attempt(replies[-1])
+        if not walk.has_account:
+            if result.status in (GRANTED, QUEUED):
+                self.handback.give_back(walk.lease_id, model, None)
+            raise refusals.account_full(walk.account, walk.limit)
+        return result
+
+    def _calls(self, walk: Walk, cand: Candidate, tier: Tier) -> list[Any]:
+        calls: list[Any] = []
+        account = None
+        if not walk.has_account and self.store.one_node:
+            account = (walk.akey, walk.limit)  # taken by the acquire script itself
+        elif not walk.has_account:
+            ttl = self.timing.lease_ttl_ms
+            calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
+        model = cand.model.name
+        if cand.may_wait:
+            # Registered before the call: a wake-up may arrive before the reply does.
+            self.waiting.register(walk.lease_id, model)
+        preferred = None
+        if walk.cache_key is not None:
+            preferred = rendezvous(walk.cache_key, self.slots[model].urls)
+        calls.append(
+            self.slots[model].acquire(
+                walk.lease_id,
+                tier,
+                may_wait=cand.may_wait,
+                affinity=preferred,
+                account=account,
+            )
+        )
+        return calls
+
+
+def _took_account(replies: list[Any], merged: bool) -> bool:
+    """Whether the account's entry was taken: by the acquire script itself (`merged`, one
+    call), or by the account script (the first of two calls)."""
+    reply = replies[0]
+    if isinstance(reply, Exception):
+        return False
+    if merged:
+        return attempt(reply).status != ACCOUNT_FULL
+    return int(reply) == 1

@@ -1,0 +1,271 @@
+"""Fleet-wide admission (docs/api.md): slots leased in Redis, a tiered queue, precise 429s.
+
+`Admission.admit` walks the request's candidates (routing/admission/plan.py) and returns a `Lease`
+on one model's endpoint, or raises `Limited` with the last entry's reason (routing/errors.py). Every
+path out of a request calls `release`, whose calls leave at once whatever happens to the caller.
+
+Nothing a replica takes in Redis is ever left to chance: what it holds is remembered in `holdings`
+and written back by every sweep (Redis restarted empty); whatever a call took whose caller went away
+is given back when its reply arrives; and an id whose state is in doubt (a call that failed without
+an answer) is forgotten by the next sweeps. The Redis protocol lives in routing/admission/slots.py
+and the Lua files; the sweep in routing/admission/keeper.py.
+
+Admission walks; the parts live apart: one candidate's acquire in routing/admission/acquire.py, the
+wait for a queued grant in routing/admission/waiting.py, the 429s in routing/admission/refusals.py
+and their Retry-After in routing/admission/estimate.py, the answer while Redis is away in
+routing/admission/outage.py, the release in routing/admission/handback.py and the usage spool's
+owner in routing/ledger/spool.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from routing.admission import refusals
+from routing.admission.acquire import Acquire, Walk
+from routing.admission.estimate import RetryAfter
+from routing.admission.handback import Handback
+from routing.admission.holdings import Holdings, Lease, Waiter
+from routing.admission.outage import LocalShares, Outage
+from routing.admission.plan import Candidate
+from routing.admission.slots import (
+    GRANTED,
+    QUEUED,
+    RANK,
+    Attempt,
+    ModelSlots,
+    Timing,
+    account_key,
+    make_lease_id,
+)
+from routing.admission.waiting import Waiting
+from routing.errors import RoutingError, Unavailable, UnavailableReason
+from routing.ledger.records import store_sender
+from routing.ledger.spool import Ledger, UsageSpool
+from routing.registry import Model, Registry
+from routing.store.base import Store
+from routing.store.causes import StoreErrors
+from routing.store.scripts import STORE_ERRORS, Scripts
+from routing.store.wire import text
+from tiers.policy import Tier, TiersConfig
+
+__all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
+
+
+# Not frozen, treated as immutable: a frozen dataclass's __init__ costs 3.5 times as much
+# (0.52 against 0.15 us), and one is made per request (hot path); hashable all the same.
+@dataclass(slots=True, unsafe_hash=True)
+class Admitted:
+    lease: Lease
+    candidate: Candidate
+    tier: Tier
+
+
+class Admission:
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        tiers: TiersConfig,
+        *,
+        lease_ttl_s: float,
+        on_outage: str,
+        spool: UsageSpool | None = None,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sweep_interval_s: float = 1.0,
+        command_timeout_s: float = 2.0,
+        store_errors: StoreErrors | None = None,
+        scripts: Scripts | None = None,
+    ) -> None:
+        # Where the scripts run: the lean pipelining client when the URL allows it.
+        self.store = store
+        self.scripts = scripts if scripts is not None else Scripts()
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
+        self._tiers = tiers
+        self._clock = clock
+        self._ids = itertools.count()
+        self.holdings = Holdings()
+        self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
+        self.retry = RetryAfter()
+        self.slots: dict[str, ModelSlots] = {}
+        for model in registry:
+            self._add(model, tiers)
+        self.store_errors = store_errors if store_errors is not None else StoreErrors()
+        self.handback = Handback(
+            self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
+            self.store_errors,
+        )  # fmt: skip
+        self.waiting = Waiting(self.handback)
+        self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
+        self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
+
+    @property
+    def local(self) -> LocalShares:
+        return self.outage.local
+
+    @property
+    def held(self) -> dict[str, Lease]:
+        return self.holdings.held
+
+    @property
+    def waiters(self) -> dict[str, Waiter]:
+        return self.holdings.waiters
+
+    async def start(self) -> None:
+        try:
+            await self.scripts.load(self.store)
+        except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
+            self.store_errors.report(exc, "start")
+
+    # --- the walk ------------------------------------------------------------------------
+
+    async def admit(
+        self,
+        candidates: Sequence[Candidate],
+        account: str,
+        account_limit: int,
+        cache_key: str | None = None,
+        weight: float = 1.0,
+    ) -> Admitted:
+        """`weight`: the account's share among the accounts waiting in a tier (fair share)."""
+        lease_id = make_lease_id(f"{self.replica_id}-{next(self._ids)}", weight, account)
+        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
+        try:
+            try:
+                return await self._walk(walk, candidates, self._clock())
+            except STORE_ERRORS as exc:
+                self.store_errors.report(exc, "admission", refused=True)
+                cand, lease = self.outage.admit(
+                    candidates, walk.lease_id, walk.akey, self.holdings, exc
+                )
+                return Admitted(lease, cand, cand.tier)
+        except RoutingError as exc:
+            exc.model = exc.model or walk.at
+            raise
+        finally:
+            self.holdings.waiters.pop(lease_id, None)
+            if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
+                self.handback.give_back(lease_id, None, walk.akey)
+
+    async def _walk(
+        self,
+        walk: Walk,
+        candidates: Sequence[Candidate],
+        started: float,
+    ) -> Admitted:
+        last: RoutingError | None = None
+        for cand in candidates:
+            tier, walk.at = cand.tier, cand.model.name
+            if self.slots[cand.model.name].capacity == 0:
+                why = f"{cand.model.name!r} has no healthy endpoint."
+                last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
+                continue
+            deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
+            result = await self.acquire.past_rebuild(walk, cand, tier, deadline)
+            endpoint = await self._settle(walk, cand, tier, result, deadline)
+            if endpoint is not None:
+                queued_ms = (self._clock() - started) * 1000
+                lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued_ms)
+                self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
+                self.holdings.held[lease.id] = lease
+                return Admitted(lease, cand, tier)
+            retry = self.retry_after(cand.model.name, result.turn)
+            last = refusals.rejection(cand.model.name, tier, result, retry)
+        assert last is not None
+        raise last
+
+    async def _settle(
+        self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt, deadline: float
+    ) -> str | None:
+        """The granted endpoint (at once, or after waiting in the queue until `deadline`,
+        the end of its queue timeout: a wait for a rebuild window came out of it), or None."""
+        if result.status != QUEUED:
+            self.waiting.not_queued(walk.lease_id)
+            return result.endpoint if result.status == GRANTED else None
+        timeout = self._tiers.policy(tier).queue_timeout_s
+        place = tier.rank * RANK + result.place
+        outcome = await self.waiting.wait(walk.lease_id, place, max(0.0, deadline - self._clock()))
+        if isinstance(outcome, str):
+            return outcome
+        model = cand.model.name  # timed out: its Retry-After from its turn if it came again
+        raise refusals.queue_timeout(model, timeout, self.retry_after(model, outcome))
+
+    # --- leases --------------------------------------------------------------------------
+
+    def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
+        """Give the slot back, with the request's usage record (routing/admission/handback.py)."""
+        return self.handback.release(lease, usage)
+
+    async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
+        """Move a held slot off an endpoint that could not be reached (or that this replica
+        does not know), onto another endpoint of the same model with room, keeping the slot
+        (no waiter can take it meanwhile). False when there is none."""
+        call = self.slots[lease.model].move(lease.id, avoid, only)
+        try:
+            endpoint = text(await asyncio.shield(self.scripts.call(self.store, call)))
+        except STORE_ERRORS:
+            return False
+        if not endpoint:
+            return False
+        lease.endpoint = endpoint
+        return True
+
+    def retry_after(self, model: str, ahead: int) -> int:
+        return self.retry.seconds(model, ahead, self.slots[model].capacity)
+
+    # --- configuration -------------------------------------------------------------------
+
+    def _add(self, model: Model, tiers: TiersConfig) -> None:
+        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+        slots = ModelSlots(
+            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers),
+            declare_all=not self.store.one_node,
+        )  # fmt: skip
+        # Every endpoint is in rotation until health checks say otherwise.
+        endpoints = model.config.endpoints
+        slots.configured = frozenset(e.base_url for e in endpoints)
+        slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in endpoints])
+        self.slots[model.name] = slots
+        self.local.capacity[model.name] = slots.capacity
+
+    def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
+        """A new config: new models get slots, known ones new ceilings and queue bounds, and
+        the local outage shares the new tiers (and the outage its mode, if given). Models
+        that left keep their slots (their requests in flight still release)."""
+        self._tiers = tiers
+        self.local.tiers = tiers
+        if on_outage is not None:
+            self.outage.mode = on_outage
+        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
+        for model in registry:
+            slots = self.slots.get(model.name)
+            if slots is None:
+                self._add(model, tiers)
+            else:
+                urls = (e.base_url for e in model.config.endpoints)
+                slots.configure(utilization, model.config.max_queue, _fair(tiers), urls)
+
+    def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
+        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
+        self.slots[model].set_endpoints(endpoints)
+        self.local.capacity[model] = self.slots[model].capacity
+
+    # --- shutdown ------------------------------------------------------------------------
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        await self.handback.close(timeout_s)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        await self.handback.drain(timeout_s)
+
+
+def _fair(tiers: TiersConfig) -> dict[Tier, bool]:
+    """Which tiers share between accounts (`tiers.<tier>.fairness`)."""
+    return {t: tiers.policy(t).fairness == "accounts" for t in Tier}

@@ -1,0 +1,139 @@
+"""What one replica holds in Redis: the source of truth when Redis forgets (docs/architecture.md).
+
+Redis is state that can vanish (a restart without persistence, a failover to a replica
+that lost recent writes). Each replica therefore remembers, in memory, everything it holds
+there: the leases of its requests in flight, the waiters it has queued, the account entries
+of both, and the ids whose state in Redis is in doubt (a call that failed without an
+answer, a clean-up that could not be sent). Every sweep sends all of it back: leases and
+entries are kept alive or written back, waiters kept queued at their original place, and
+in-doubt ids forgotten. The keeper builds those calls from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+# An in-doubt id is forgotten by this many successful sweeps after it was recorded: a call
+# stuck in a stalled Redis may still run when Redis resumes, after the first forget.
+FORGET_ROUNDS = 2
+# In-doubt ids are a shortcut, not a guarantee: whatever they stand for in Redis also
+# expires by itself (leases by their TTL, waiters by theirs). So the list is bounded: during
+# a long outage every request may add one.
+MAX_ORPHANS = 10_000
+
+
+@dataclass(slots=True)
+class Lease:
+    """A slot held on one endpoint of one model (and in the account's own count)."""
+
+    id: str
+    model: str
+    endpoint: str
+    account: str  # the account's key in Redis (routing/admission/slots.py `account_key`)
+    queued_ms: float
+    local: bool = False
+    # When the slot was taken (time.monotonic), for the hold-time estimate of Retry-After.
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Waiter:
+    """A request of this replica waiting in a model's queue."""
+
+    model: str
+    future: asyncio.Future[str]
+    # Its place in the queue, once Redis has confirmed it (rank x RANK + sequence).
+    place: int | None = None
+
+
+@dataclass(slots=True)
+class Orphan:
+    """An id whose state in Redis is in doubt: to be forgotten there."""
+
+    model: str | None  # the model whose keys may hold it (lease or waiter)
+    account: str | None  # the account key whose count may hold it
+    rounds: int = FORGET_ROUNDS
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Holdings:
+    held: dict[str, Lease] = field(default_factory=dict)
+    waiters: dict[str, Waiter] = field(default_factory=dict)
+    # Walks in progress that hold an entry in their account's count: id -> account key.
+    walking: dict[str, str] = field(default_factory=dict)
+    orphans: dict[str, Orphan] = field(default_factory=dict)
+
+    def is_live(self, lease_id: str) -> bool:
+        """Whether this replica still holds `lease_id` (a request admitted or under way)."""
+        return lease_id in self.held or lease_id in self.walking
+
+    def doubt(self, lease_id: str, model: str | None, account: str | None) -> None:
+        known = self.orphans.pop(lease_id, None)
+        if known is not None:
+            model = model or known.model
+            account = account or known.account
+        self.orphans[lease_id] = Orphan(model, account)
+        while len(self.orphans) > MAX_ORPHANS:
+            del self.orphans[next(iter(self.orphans))]  # the oldest
+
+    def prune(self, max_age_s: float, now: float | None = None) -> None:
+        """Drop in-doubt ids older than `max_age_s`: Redis has expired them by now."""
+        now = time.monotonic() if now is None else now
+        while self.orphans:
+            oldest = next(iter(self.orphans))
+            if now - self.orphans[oldest].since <= max_age_s:
+                return
+            del self.orphans[oldest]
+
+    def holding(self, model: str) -> int:
+        """Slots of `model` this replica holds (shared or local)."""
+        return sum(1 for lease in self.held.values() if lease.model == model)
+
+    def leases_by_model(self) -> dict[str, list[tuple[str, str]]]:
+        found: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for lease in self.held.values():
+            if not lease.local:
+                found[lease.model].append((lease.id, lease.endpoint))
+        return found
+
+    def waiters_by_model(self) -> dict[str, list[tuple[str, int]]]:
+        """Waiters Redis confirmed queued and not yet woken: (id, place)."""
+        found: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for waiter_id, waiter in self.waiters.items():
+            if waiter.place is not None and not waiter.future.done():
+                found[waiter.model].append((waiter_id, waiter.place))
+        return found
+
+    def entries_by_account(self) -> dict[str, list[str]]:
+        """This replica's entries in each account's count: running and under way."""
+        found: dict[str, list[str]] = defaultdict(list)
+        for lease in self.held.values():
+            if not lease.local:
+                found[lease.account].append(lease.id)
+        for lease_id, account in self.walking.items():
+            found[account].append(lease_id)
+        return found
+
+    def orphans_by_model(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """In-doubt ids by model and by account key."""
+        models: dict[str, list[str]] = defaultdict(list)
+        accounts: dict[str, list[str]] = defaultdict(list)
+        for lease_id, orphan in self.orphans.items():
+            if orphan.model is not None:
+                models[orphan.model].append(lease_id)
+            if orphan.account is not None:
+                accounts[orphan.account].append(lease_id)
+        return models, accounts
+
+    def forgotten(self, ids: list[str]) -> None:
+        """A sweep sent these in-doubt ids' forget and Redis answered."""
+        for lease_id in ids:
+            orphan = self.orphans.get(lease_id)
+            if orphan is not None:
+                orphan.rounds -= 1
+                if orphan.rounds <= 0:
+                    del self.orphans[lease_id]

@@ -1,0 +1,213 @@
+"""Each replica's background work for admission (each loop through routing/background.py,
+so no error ever ends one for good).
+
+- One pub/sub subscription wakes this replica's waiters by id (no polling loops).
+- A sweep about every second, one round trip for all models: reclaims expired leases and
+  dead replicas' waiters and hands their slots on; keeps alive, or writes back when Redis
+  lost them, everything this replica holds (leases, account entries, queued waiters at
+  their original place); claims grants whose wake-up was lost; forgets ids whose state is
+  in doubt; says this replica is alive; and reads each model's in-flight and queue depth
+  for metrics and the rate of freed slots for Retry-After.
+- A spool round (about a second, its own loop) sends spooled usage records, adopts those
+  of gone processes, and trims the stream (routing/ledger/records.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from routing.admission.admit import Admission
+from routing.admission.slots import ModelState, sweep_result
+from routing.background import BackgroundErrors, every
+from routing.ledger.spool import UsageSpool
+from routing.store.scripts import STORE_ERRORS, Call, first_error
+from routing.store.wire import text
+
+log = logging.getLogger("gateway.admission")
+
+REPLICAS_KEY = "gw:replicas"
+# A subscription that keeps failing (a wrong password, a Sentinel port) is tried again
+# after 0.5 s, then less and less often, up to this: never a spin. Wake-ups lost meanwhile
+# are claimed by the sweeps.
+SUBSCRIPTION_BACKOFF_S = 10.0
+# A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
+SPOOL_ROUND_S = 30.0
+
+
+@dataclass
+class _Round:
+    """The calls of one sweep, and where each part's replies are."""
+
+    calls: list[Call]
+    models: list[str]
+    waiters: dict[str, list[str]]
+    accounts: list[str]
+    orphans: list[str]
+    orphan_calls: int
+    # This replica's slots per model when the round was built (for the local shares).
+    mine: dict[str, int]
+
+
+@dataclass
+class Keeper:
+    admission: Admission
+    # A connection for the subscription that no socket timeout cuts (redis-py #2807).
+    pubsub_redis: aioredis.Redis
+    interval_s: float = 1.0
+    errors: BackgroundErrors = field(default_factory=BackgroundErrors)
+    # A sweep round longer than this is cut (and counted): it never waits on a stall.
+    round_timeout_s: float | None = 5.0
+    states: dict[str, ModelState] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # The store's moves to another master already answered (routing/ledger/recent.py).
+    _moves: int = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._subscription()),
+            loop.create_task(
+                every("sweep", self.interval_s, self.sweep_once, self.errors,
+                      timeout_s=self.round_timeout_s)
+            ),
+            loop.create_task(every("spool", self.interval_s, self._tend_spool, self.errors,
+                                   timeout_s=SPOOL_ROUND_S)),
+        ]  # fmt: skip
+
+    def resubscribe(self) -> None:
+        """The set of models changed: listen on every model's channel from now on."""
+        if self._tasks:
+            self._tasks[0].cancel()
+            self._tasks[0] = asyncio.get_running_loop().create_task(self._subscription())
+
+    def _subscription(self) -> Coroutine[Any, Any, None]:
+        return every("subscription", 0.5, self._listen, self.errors,
+                     max_backoff_s=SUBSCRIPTION_BACKOFF_S)  # fmt: skip
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- the sweep -----------------------------------------------------------------------
+
+    async def sweep_once(self) -> None:
+        work = self._round()
+        replies = await self.admission.scripts.send(self.admission.store, work.calls)
+        self._apply(work, replies)
+        if (error := first_error(replies)) is not None:
+            raise error
+
+    def _round(self) -> _Round:
+        adm = self.admission
+        holdings = adm.holdings
+        leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
+        models = list(adm.slots)
+        calls = [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
+        calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
+        entries = holdings.entries_by_account()
+        ttl = adm.timing.lease_ttl_ms
+        holdings.prune(2 * ttl / 1000)
+        calls += [("account_keep", [key], [ttl, *ids]) for key, ids in entries.items()]
+        orphan_models, orphan_accounts = holdings.orphans_by_model()
+        orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
+        orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
+        return _Round(
+            calls + orphan_calls,
+            models,
+            {m: [waiter_id for waiter_id, _ in ws] for m, ws in waiters.items()},
+            list(entries),
+            list(holdings.orphans),
+            len(orphan_calls),
+            {m: len(ls) for m, ls in leases.items()},
+        )
+
+    def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
+        adm = self.admission
+        now = asyncio.get_running_loop().time()
+        for model, reply in zip(work.models, replies, strict=False):
+            if isinstance(reply, Exception):
+                continue
+            found = sweep_result(reply)
+            adm.slots[model].known = True
+            adm.local.observe(model, found.state.inflight, work.mine.get(model, 0))
+            self.states[model] = found.state
+            adm.retry.freed(model, now, found.state.freed)
+            adm.handback.recheck(found.restored, model)
+            for waiter_id, endpoint in zip(work.waiters.get(model, []), found.granted, strict=True):
+                if endpoint:
+                    self.wake(waiter_id, endpoint)
+        at = len(work.models)
+        if not isinstance(replies[at], Exception):
+            adm.local.saw([text(r) for r in replies[at]])
+        for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
+            adm.handback.recheck(reply, None, key)
+        tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
+        if first_error(tail) is None:
+            adm.holdings.forgotten(work.orphans)
+
+    def wake(self, waiter_id: str, endpoint: str) -> None:
+        waiter = self.admission.holdings.waiters.get(waiter_id)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_result(endpoint)
+
+    async def _tend_spool(self) -> None:
+        adm = self.admission
+        spool, send = adm.ledger.spool, adm.ledger.send
+        if spool is None:
+            return
+        self._resend_after_a_move(spool)
+
+        async def reporting(calls: Sequence[Call]) -> list[Any]:
+            replies = await send(calls)
+            if (refused := first_error(replies)) is not None:  # a record Redis would not take
+                self.errors.store.report(refused, "spool")
+            return replies
+
+        await spool.tend(reporting)
+
+    def _resend_after_a_move(self, spool: UsageSpool) -> None:
+        """The store moved to another master: what the old one took lately may be gone
+        with it (routing/ledger/recent.py), so it is spooled again for this round to send."""
+        moves, recent = self.admission.store.moves, self.admission.handback.recent
+        if moves is None or moves <= self._moves or recent is None:
+            return
+        again = recent.lately()
+        for record in again:
+            spool.add(record)
+        self._moves = moves
+        log.warning("redis moved to another master: %d recent usage records resent", len(again))
+
+    # --- wake-ups ------------------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        """One subscription until it breaks (then `every` counts the error and resubscribes)."""
+        channels = [s.channel for s in self.admission.slots.values()]
+        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(*channels)
+            while True:
+                message = await pubsub.get_message(timeout=5.0)
+                if message is not None:
+                    self._on_message(message)
+        finally:
+            # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_close_quietly(pubsub), 1.0)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        waiter_id, _, endpoint = text(message.get("data")).partition(" ")
+        if endpoint:
+            self.wake(waiter_id, endpoint)
+
+
+async def _close_quietly(pubsub: Any) -> None:
+    with contextlib.suppress(*STORE_ERRORS):
+        await pubsub.aclose()

@@ -1,0 +1,244 @@
+"""Which endpoints are in rotation: active probes, passive ejection, the workers' load.
+
+Each replica judges for itself (no shared state): an endpoint leaves rotation after
+`unhealthy_after` failed `GET /health` probes, or at once when a request cannot connect to
+it, or after `passive_5xx` 5xx answers in a row (Envoy's outlier detection, simplified). A
+passively ejected endpoint stays out for a back-off that doubles with each ejection, then
+comes back with its next good probe. Endpoints with `metrics: true` also have their
+`/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
+new requests to less loaded workers. Changes reach admission through `on_change`.
+
+Probes go over the aiohttp session it is given at start, else over a session of its own
+(the gateway's case: the hop's connections are routing/hop/client.py's, not aiohttp's).
+
+Signals about a URL this Health does not know are ignored: after a config reload, requests
+still running on an endpoint that left report on it, and nothing on their path may fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field
+
+from routing.background import BackgroundErrors, every
+from routing.registry import Model
+
+log = logging.getLogger("gateway.health")
+
+# vLLM renamed its KV-cache gauge; both are read.
+_WAITING = ("vllm:num_requests_waiting",)
+_KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+class HealthSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(5.0, gt=0, le=300)
+    timeout_s: float = Field(2.0, gt=0, le=60)
+    unhealthy_after: int = Field(2, ge=1, le=100)  # failed probes in a row
+    healthy_after: int = Field(1, ge=1, le=100)  # good probes in a row
+    passive_5xx: int = Field(3, ge=1, le=1000)  # 5xx answers in a row
+    ejection_s: float = Field(5.0, gt=0, le=3600)  # first passive ejection; doubles
+    max_ejection_s: float = Field(120.0, gt=0, le=86400)
+
+
+@dataclass
+class EndpointHealth:
+    url: str
+    size: int  # the largest max_concurrency any model gives it: scales its queue penalty
+    scrape: bool
+    up: bool = True
+    failed_probes: int = 0
+    good_probes: int = 0
+    errors_5xx: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    up_since: float = 0.0
+    penalty: float = 0.0
+
+
+class Health:
+    def __init__(
+        self,
+        models: Iterable[Model],
+        settings: HealthSettings,
+        on_change: Callable[[set[str]], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        errors: BackgroundErrors | None = None,
+    ) -> None:
+        self.settings = settings
+        self._on_change = on_change
+        self._clock = clock
+        self._errors = errors if errors is not None else BackgroundErrors()
+        self.endpoints: dict[str, EndpointHealth] = {}
+        for model in models:
+            for e in model.config.endpoints:
+                known = self.endpoints.get(e.base_url)
+                if known is None:
+                    self.endpoints[e.base_url] = EndpointHealth(
+                        e.base_url, e.max_concurrency, e.metrics, up_since=clock()
+                    )
+                else:
+                    known.size = max(known.size, e.max_concurrency)
+                    known.scrape = known.scrape or e.metrics
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._owns_session = False
+        # Each of connecting (a free connection from the pool included) and every read
+        # is bounded by the probe timeout; a redirect is an answer, not followed.
+        self._timeout = aiohttp.ClientTimeout(
+            connect=settings.timeout_s, sock_read=settings.timeout_s
+        )
+
+    def adopt(self, previous: Health) -> None:
+        """A config reload: endpoints this one shares with `previous` keep their state."""
+        for url, known in previous.endpoints.items():
+            mine = self.endpoints.get(url)
+            if mine is not None:
+                known.size, known.scrape = mine.size, mine.scrape
+                self.endpoints[url] = known
+
+    def is_up(self, url: str) -> bool:
+        health = self.endpoints.get(url)
+        return health is not None and health.up
+
+    def penalty(self, url: str) -> float:
+        health = self.endpoints.get(url)
+        return health.penalty if health is not None else 0.0
+
+    # --- passive signals from real requests ---------------------------------------------
+
+    def unreachable(self, url: str) -> None:
+        """A request could not connect (or was reset before any answer): out at once."""
+        health = self.endpoints.get(url)
+        if health is not None:
+            self._eject(health, "unreachable")
+
+    def answered(self, url: str, status: int) -> None:
+        health = self.endpoints.get(url)
+        if health is None:
+            return
+        if status < 500:
+            health.errors_5xx = 0
+            return
+        health.errors_5xx += 1
+        if health.errors_5xx >= self.settings.passive_5xx:
+            self._eject(health, f"{health.errors_5xx} 5xx answers in a row")
+
+    def _eject(self, health: EndpointHealth, why: str) -> None:
+        now = self._clock()
+        if not health.up and now < health.ejected_until:
+            return
+        if now - health.up_since > self.settings.max_ejection_s:
+            health.ejections = 0  # it behaved for a while: start the back-off again
+        health.ejections += 1
+        backoff = self.settings.ejection_s * 2 ** (health.ejections - 1)
+        health.ejected_until = now + min(self.settings.max_ejection_s, backoff)
+        health.good_probes = health.errors_5xx = 0
+        log.warning("endpoint %s out of rotation for %.0fs: %s", health.url, backoff, why)
+        self._set(health, False)
+
+    # --- active probes -------------------------------------------------------------------
+
+    def probed(self, url: str, ok: bool, penalty: float | None = None) -> None:
+        health = self.endpoints.get(url)
+        if health is None:
+            return
+        if penalty is not None and abs(penalty - health.penalty) > 0.02:
+            health.penalty = penalty
+            if health.up:
+                self._on_change({url})
+        if not ok:
+            health.good_probes = 0
+            health.failed_probes += 1
+            if health.up and health.failed_probes >= self.settings.unhealthy_after:
+                log.warning("endpoint %s out of rotation: health probes fail", url)
+                self._set(health, False)
+            return
+        health.failed_probes = 0
+        health.good_probes += 1
+        ready = health.good_probes >= self.settings.healthy_after
+        if not health.up and ready and self._clock() >= health.ejected_until:
+            log.info("endpoint %s back in rotation", url)
+            self._set(health, True)
+
+    def _set(self, health: EndpointHealth, up: bool) -> None:
+        if health.up != up:
+            health.up = up
+            if up:
+                health.up_since = self._clock()
+            self._on_change({health.url})
+
+    async def start(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Probe every `interval_s` over `session` (shared: left open on close), else over
+        a session of its own."""
+        self._owns_session = session is None
+        self._session = session if session is not None else aiohttp.ClientSession()
+        # Through `every`: an unexpected error in one round (a worker's odd /metrics, a
+        # failing `on_change`) is counted and the next round runs.
+        probing = every("health", self.settings.interval_s, self.probe_all, self._errors)
+        self._task = asyncio.get_running_loop().create_task(probing)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None and self._owns_session:
+            await self._session.close()
+        self._session = None
+
+    async def probe_all(self) -> None:
+        """One round: every endpoint probed, even when one probe fails unexpectedly; that
+        failure is raised once all are done (for the loop to count)."""
+        probes = [self._probe(h) for h in self.endpoints.values()]
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _probe(self, health: EndpointHealth) -> None:
+        try:
+            ok = (await self._get(health.url + "/health"))[0] == 200
+            penalty = await self._load(health) if ok and health.scrape else None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok, penalty = False, None
+        self.probed(health.url, ok, penalty)
+
+    async def _load(self, health: EndpointHealth) -> float | None:
+        status, text = await self._get(health.url + "/metrics")
+        if status != 200:
+            return None
+        waiting = _gauge(text, _WAITING)
+        kv_cache = _gauge(text, _KV_CACHE)
+        # Queued requests wait behind running ones; a full KV cache preempts. Both count.
+        return min(2.0, waiting / max(1, health.size)) + min(1.0, kv_cache)
+
+    async def _get(self, url: str) -> tuple[int, str]:
+        """Status and body, the whole body read (an answer that breaks off is a failure)."""
+        assert self._session is not None
+        get = self._session.get(url, timeout=self._timeout, allow_redirects=False)
+        async with get as response:
+            return response.status, await response.text(errors="replace")
+
+
+def _gauge(text: str, names: tuple[str, ...]) -> float:
+    """The sum of a gauge's samples over its label sets (first name found wins)."""
+    for name in names:
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                    found = True
+                except (ValueError, IndexError):  # a malformed line: skipped, not fatal
+                    continue
+        if found:
+            return total
+    return 0.0

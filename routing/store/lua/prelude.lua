@@ -1,0 +1,427 @@
+-- Shared by the model scripts (prepended once when they are registered): the key names,
+-- then the functions a script's common case calls (its `-- @needs` line names them: each
+-- `-- @fn` block below), then at the script's `-- @rest` line (or before the script when it
+-- has none) all the others. Lua makes each local function anew on every call (about 150 ns
+-- with its upvalues), so the common case makes only those it calls (routing/store/scripts.py).
+-- KEYS[1] is the model's `leases`; its other keys are named after it (the same hash tag
+-- {model}, so every script touches one Cluster slot). A key passed in KEYS costs a script
+-- about 230 ns, a name made here about 100 ns, and only the names a path uses are made.
+-- leases   ZSET "lease_id url" -> expiry (ms, Redis TIME): each names its endpoint (an id
+--          or a URL holds no space), so nothing else records where a lease runs
+-- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
+-- ep_of    HASH lease_id -> endpoint url, of leases written before a lease's member named
+--          its endpoint (`split`): read only when such a lease expires
+-- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
+--          holds this model's state (a replica that has seen it before and finds it gone
+--          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
+--          may be open (`rebuild`); and `~f`: 2 x the slots freed so far (releases and
+--          expiries, for Retry-After), plus 1 while someone may wait in `queue` (set when
+--          it turns empty or not, mended by every sweep): so a release counts its free and
+--          learns whether to pump in one HINCRBY, and the acquire reads it with the loads.
+-- seq      STRING queue sequence
+-- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
+--          waiters of a dead replica leave the queue within the waiter TTL
+-- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
+--          is granted until every replica has written back its own
+-- wake     the channel granted waiters are woken on
+-- Fair share's keys (prelude's rest) are named the same way.
+local LEASES = KEYS[1]
+local BASE = string.sub(LEASES, 1, -7)
+local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
+local QEXP = BASE .. 'qexp'
+-- On one Redis, acquire and release may be given an account's key after the model's (the
+-- leases alone, or on a Cluster all eight: routing/admission/slots.py `declare_all`).
+local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
+-- The state marker's value when no rebuild window can be open: the common case's test.
+local STEADY = '0'
+-- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
+-- not checked (routing/admission/slots.py `UNBOUND`).
+local UNBOUND = '-'
+local RANK = 1e15
+
+-- @fn now_ms
+local function now_ms()
+  local t = redis.call('TIME')
+  local micros = t[2] + 0
+  return t[1] * 1000 + (micros - micros % 1000) / 1000  -- (cheaper than math.floor)
+end
+
+-- @fn score
+-- A whole number as text, for the bounds of a range (ZCOUNT '(' .. n). A number handed to
+-- Redis as it is costs less than this (string.format is about 0.75 usec, redis.call's own
+-- '%.17g' less, and exact for whole numbers below 2^53: times in ms, queue places).
+local function score(n)
+  return string.format('%.0f', n)
+end
+
+-- @fn drop_lease
+-- Forget `id`'s lease on `ep`; 1 if it was there. Its first write (ZREM) is not `denyoom`:
+-- see `expire`.
+local function drop_lease(id, ep)
+  if redis.call('ZREM', LEASES, id .. ' ' .. ep) == 0 then return 0 end
+  redis.call('HINCRBY', EP_LOAD, ep, '-1')
+  return 1
+end
+
+-- @fn loads_of
+-- The state marker and `~f`, then the loads of the n endpoints in `src` (ARGV,
+-- or a spec: `parse_spec`) at index `eps` (n, then n triples url, max_concurrency,
+-- penalty): one HMGET.
+local function loads_of(src, eps, n)
+  local fields = {EP_LOAD, '~s', '~f'}
+  for i = 1, n or tonumber(src[eps]) do fields[i + 3] = src[eps + 3 * i - 2] end
+  return redis.call('HMGET', unpack(fields))
+end
+
+-- @fn pick
+-- The endpoint to take of those in `src` at `eps` (see `loads_of`, whose reply `loads` is,
+-- or is read here); the penalty (>= 0) is the worker's own load signal (queue, KV cache), 0
+-- when not scraped. In 'first' mode the first with room (cache affinity order), else the
+-- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
+local function pick(src, eps, mode, loads, n)
+  n = n or tonumber(src[eps])
+  if n == 0 then return nil end
+  loads = loads or loads_of(src, eps, n)
+  local best, best_score = nil, nil
+  for i = 1, n do
+    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i + 2]) or 0
+    if load < size then
+      if mode == 'first' then return src[eps + 3 * i - 2] end
+      local s = load / size + tonumber(src[eps + 3 * i])
+      if best == nil or s < best_score then best, best_score = src[eps + 3 * i - 2], s end
+    end
+  end
+  return best
+end
+
+-- @fn grant
+local function grant(id, ep, expiry)
+  redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
+  redis.call('HINCRBY', EP_LOAD, ep, '1')
+end
+
+-- @fn take_account
+-- An account's own limit across replicas: `key` is gw:acct:{account}, a ZSET lease_id ->
+-- expiry. Takes an entry for `id` until `expiry` unless the account holds `limit` live ones
+-- (entries of replicas that died are reclaimed only when it looks full); true when taken.
+-- The key lives `ttl` ms more, and goes with its last entry: accounts of replicas that died
+-- leave nothing behind. (`expiry` and `ttl` as text: a number costs a conversion per call.)
+local function take_account(key, id, limit, now, expiry, ttl)
+  if redis.call('ZCARD', key) >= limit then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    if redis.call('ZCARD', key) >= limit then return false end
+  end
+  redis.call('ZADD', key, expiry, id)
+  redis.call('PEXPIRE', key, ttl)
+  return true
+end
+
+-- @rest
+
+local SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
+
+-- Fair share. An id ends in "~weight~account" (routing/admission/slots.py `make_lease_id`), so every
+-- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
+-- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
+-- `held`   HASH account -> leases of the model it holds: counted only while someone waits
+--          (the common case pays nothing), counted afresh from the leases when the queue
+--          stops being empty (`enqueue`);
+-- per tier, each waiting account's queue (ZSET waiter -> sequence), and the index of the
+-- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
+-- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
+local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
+local HELD = BASE .. 'held'
+local function account_queue(rank, acct) return BASE .. 'fq:' .. rank .. ':' .. acct end
+local function account_index(rank) return BASE .. 'fi:' .. rank end
+local function member(seq, acct) return string.format('%016d', seq) .. acct end
+
+-- The account and weight an id carries ('' and 1 for an id without them).
+local function account_of(id)
+  local w, a = string.match(id, '~([^~]*)~([^~]*)$')
+  return a or '', tonumber(w) or 1
+end
+
+-- A member of `leases`: its lease id and endpoint. A member written before members named
+-- their endpoint is the id alone, its endpoint in `ep_of`.
+local function split(m)
+  local at = string.find(m, ' ', 1, true)
+  if at then return string.sub(m, 1, at - 1), string.sub(m, at + 1) end
+  return m, redis.call('HGET', EP_OF, m)
+end
+
+-- The endpoint `id` holds a lease on, of the endpoints in `src` at `eps` (see `pick`), and
+-- the lease's expiry; nil when none (one ZMSCORE). For ids whose endpoint the caller does
+-- not know: a waiter granted meanwhile, an id whose acquire went unanswered.
+local function find_lease(id, src, eps)
+  local n = tonumber(src[eps])
+  if n == 0 then return nil end
+  local members = {}
+  for i = 1, n do members[i] = id .. ' ' .. src[eps + 3 * i - 2] end
+  local found = redis.call('ZMSCORE', LEASES, unpack(members))
+  for i = 1, n do
+    if found[i] then return src[eps + 3 * i - 2], found[i] end
+  end
+  return nil
+end
+
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
+local function count(id, delta)
+  if redis.call('ZCARD', QUEUE) == 0 then return end
+  local acct = account_of(id)
+  if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
+end
+
+-- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`,
+-- the field made if missing (without it the common cases take the long way). Returns `~f`.
+local function mark_waiting(on)
+  local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '-1')
+  if marks < 0 then
+    marks = on and 1 or 0
+    redis.call('HSET', EP_LOAD, '~f', marks)
+  elseif (marks % 2 == 1) ~= on then
+    marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
+  end
+  return marks
+end
+
+-- Count every account's leases afresh (O(leases), once each time the queue stops being
+-- empty; leases granted meanwhile were not counted).
+local function recount()
+  redis.call('DEL', HELD)
+  local per = {}
+  for _, m in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
+    local acct = account_of(string.match(m, '^[^ ]+'))
+    per[acct] = (per[acct] or 0) + 1
+  end
+  local flat = {}
+  for acct, n in pairs(per) do
+    flat[#flat + 1] = acct
+    flat[#flat + 1] = n
+  end
+  if #flat > 0 then redis.call('HSET', HELD, unpack(flat)) end
+end
+
+-- Put `acct`'s entry in the index of `rank` right: after its oldest waiter or its leases
+-- changed. `old`: its member before, when known to be in the index.
+local function reindex(rank, acct, weight, old)
+  local queue = account_queue(rank, acct)
+  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  local index = account_index(rank)
+  if old then redis.call('ZREM', index, old) end
+  if not head[1] then return end
+  local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
+  redis.call('ZADD', index, string.format('%.17g', ratio), member(tonumber(head[2]), acct))
+end
+
+-- The account's leases changed: its entries in every tier's index follow (a no-op for an
+-- account that waits nowhere). `ranks`: how many tiers.
+local function reweigh(id, ranks)
+  local acct, weight = account_of(id)
+  for rank = 0, ranks - 1 do
+    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0, 'WITHSCORES')
+    if head[1] then reindex(rank, acct, weight, member(tonumber(head[2]), acct)) end
+  end
+end
+
+-- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
+local function enqueue(id, rank, seq)
+  if redis.call('ZCARD', QUEUE) == 0 then
+    recount()
+    mark_waiting(true)
+  end
+  redis.call('ZADD', QUEUE, rank * RANK + seq, id)
+  local acct, weight = account_of(id)
+  local queue = account_queue(rank, acct)
+  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  redis.call('ZADD', queue, seq, id)
+  if head[1] == nil or seq < tonumber(head[2]) then
+    reindex(rank, acct, weight, head[1] and member(tonumber(head[2]), acct))
+  end
+end
+
+-- Take an id out of the queue (a no-op for an id never queued, but a write that is not
+-- `denyoom`: see `expire`), its account's queue and, if it was the oldest, the index.
+local function unqueue(id)
+  redis.call('ZREM', QEXP, id)
+  local place = redis.call('ZSCORE', QUEUE, id)
+  if not place then return end
+  redis.call('ZREM', QUEUE, id)
+  if redis.call('ZCARD', QUEUE) == 0 then
+    redis.call('DEL', HELD)
+    mark_waiting(false)
+  end
+  local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
+  local acct, weight = account_of(id)
+  local queue = account_queue(rank, acct)
+  redis.call('ZREM', queue, id)
+  local old = member(seq, acct)
+  if redis.call('ZSCORE', account_index(rank), old) then reindex(rank, acct, weight, old) end
+end
+
+-- How many grants likely go before a newcomer `id` of tier `rank`: the waiters of the same
+-- or a better tier; in a `fair` tier the better tiers' waiters, its own account's waiters in
+-- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
+-- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
+local function turn_of(id, rank, fair)
+  local ahead = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
+  if not fair then return ahead end
+  local better = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score(rank * RANK))
+  local acct, weight = account_of(id)
+  local own = redis.call('ZCARD', account_queue(rank, acct))
+  local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
+  return better + math.min(ahead - better, own + math.ceil((own + 1) / weight) * others)
+end
+
+-- The oldest waiter of the account with the best claim in tier `rank` (fewest leases held
+-- relative to its weight, then the oldest waiter), or nil. Entries left stale (a waiter
+-- Redis no longer queues) are mended on the way.
+local function fair_head(rank)
+  local index = account_index(rank)
+  for _ = 1, 64 do
+    local best = redis.call('ZRANGE', index, 0, 0)[1]
+    if not best then return nil end
+    local acct = string.sub(best, 17)
+    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0)[1]
+    if head and redis.call('ZSCORE', QUEUE, head) then return head end
+    if head then redis.call('ZREM', account_queue(rank, acct), head) end
+    reindex(rank, acct, select(2, account_of(head or '')), best)
+  end
+  return nil
+end
+
+-- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
+-- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
+-- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
+-- admission and release keep working when Redis is full (usage records, whose script
+-- writes first with SET, are refused then and wait in the spool). So every model script
+-- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
+-- The sweep, claim and move run it on every call; acquire and release only when the model
+-- may be full or has waiters (else leases that expired meanwhile wait for the sweep).
+-- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
+-- `ranks`: the number of tiers, from the caller's spec (else those of tiers/policy.py).
+local function expire(now, waiting, ranks)
+  local late = {}
+  local upto = now
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', QEXP, '-inf', upto) end
+  redis.call('ZREMRANGEBYSCORE', QEXP, '-inf', upto)
+  for _, id in ipairs(late) do unqueue(id) end
+  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', upto)
+  for i, m in ipairs(gone) do
+    local id, ep = split(m)
+    redis.call('ZREM', LEASES, m)
+    if ep then redis.call('HINCRBY', EP_LOAD, ep, '-1') end
+    if id == m then redis.call('HDEL', EP_OF, id) end
+    count(id, -1)
+    gone[i] = id
+  end
+  if #gone > 0 and redis.call('ZCARD', QUEUE) > 0 then
+    for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
+  end
+  if #gone > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone) end
+end
+
+-- The waiter of the best tier that may take a slot now, or nil: in a `fair` tier the oldest
+-- of the account with the best claim (`fair_head`), else the tier's oldest. A tier whose own
+-- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
+-- default's must not stall the default queue).
+local function eligible_head(inflight, ceilings, fair)
+  for rank = 0, #ceilings - 1 do
+    if inflight < ceilings[rank + 1] then
+      -- A tier's waiters queued by scripts without account queues go after the others.
+      local head = fair[rank + 1] and {fair_head(rank)} or {}
+      if not head[1] then
+        head = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
+          '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
+      end
+      if head[1] then return head[1] end
+    end
+  end
+  return nil
+end
+
+-- Redis lost this model's state (restart, failover) and replicas are writing back what they
+-- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
+local function rebuilding()
+  return redis.call('EXISTS', REBUILD) == 1
+end
+
+-- Open the rebuild window for `ms`: the state marker says so too (the common case then
+-- checks `rebuild`; the sweep sets it back once the window is over).
+local function open_window(ms)
+  redis.call('SET', REBUILD, '1', 'PX', ms)
+  redis.call('HSET', EP_LOAD, '~s', '00')
+end
+
+-- Whether Redis lost this model's state: the marker is gone. A replica that has seen it
+-- before (`known`) then pauses grants for `rebuild_ms` (every replica's next sweep writes
+-- back what it holds within it); one that never saw it (a first start) just sets it. The
+-- queue's sequence restarts from Redis TIME, after any place a waiter held before.
+-- `present`: whether the marker is there, when the caller read it already.
+local function lost(now, known, rebuild_ms, present)
+  if present == nil then present = redis.call('HGET', EP_LOAD, '~s') ~= false end
+  if present then return false end
+  redis.call('HSET', EP_LOAD, '~s', STEADY, '~f', '0')
+  if tonumber(redis.call('GET', SEQ) or '0') < now then redis.call('SET', SEQ, now) end
+  if known == '1' and tonumber(rebuild_ms) > 0 then open_window(rebuild_ms) end
+  return true
+end
+
+-- Hand free slots to waiters, best tier first, while there is room; wake each by message.
+-- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
+-- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization;
+-- the endpoints are in `src` at `eps` (see `pick`); fair[rank + 1]: whether that tier shares
+-- between accounts.
+local function pump(now, claim, ceilings, fair, src, eps)
+  if redis.call('ZCARD', QUEUE) == 0 or rebuilding() then return 0 end
+  local granted = 0
+  while true do
+    local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
+    if not id then break end
+    local ep = pick(src, eps, 'least')
+    if not ep then break end
+    unqueue(id)
+    grant(id, ep, now + claim)
+    count(id, 1)
+    reweigh(id, #ceilings)
+    redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
+    granted = granted + 1
+  end
+  return granted
+end
+
+-- A lease this replica holds: kept for `ttl` ms more, or written back if Redis lost it
+-- (restart, failover). Returns 1 when it had to be written back.
+local function hold(id, ep, expiry)
+  unqueue(id)
+  if redis.call('ZSCORE', LEASES, id .. ' ' .. ep) then
+    redis.call('ZADD', LEASES, 'XX', expiry, id .. ' ' .. ep)
+    return 0
+  end
+  grant(id, ep, expiry)
+  count(id, 1)
+  return 1
+end
+
+-- Space-separated words (numbers, URLs: an endpoint URL never holds a space).
+local function words(s)
+  local t = {}
+  for word in string.gmatch(s, '%S+') do t[#t + 1] = word end
+  return t
+end
+
+-- What pumping needs, in one argument read only when someone waits (an argument costs a
+-- script about 170 ns whether read or not), as words (`words`) from index `at`:
+-- "claim_ms n ceiling.. fair n url max penalty..", the tiers' ceilings best first, then one
+-- letter per tier, best first ('a' shares between accounts, 'f' first come first served).
+-- Returns claim_ms, the ceilings, whether each tier is fair, and the words and index of the
+-- endpoints for `pick`.
+local function parse_spec(t, at)
+  local a = (at or 1) - 1
+  local n = tonumber(t[a + 2])
+  local ceilings, fair = {}, {}
+  for i = 1, n do
+    ceilings[i] = tonumber(t[a + 2 + i]) or math.huge  -- UNBOUND
+    fair[i] = string.sub(t[a + 3 + n], i, i) == 'a'
+  end
+  return tonumber(t[a + 1]), ceilings, fair, t, a + 4 + n
+end
