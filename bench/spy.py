@@ -35,8 +35,11 @@ PARTS = {
 }
 # The loop's own dispatch: a sample whose innermost known frame is one of these is the loop's.
 LOOP_FILES = ("asyncio/events.py", "asyncio/base_events.py", "asyncio/runners.py")
-REDIS_FILES = tuple(
-    f"routing/{name}.py" for name in ("resp", "wire", "store", "cluster", "slotmap", "sentinel")
+# routing/store/ now; routing/ as they were in older trees (a baseline's profile).
+_STORE = ("resp", "wire", "store", "cluster", "slotmap", "sentinel")
+REDIS_FILES = (
+    *(f"routing/store/{name}.py" for name in (*_STORE, "base", "connect", "probe")),
+    *(f"routing/{name}.py" for name in _STORE),
 )
 OTHER = "other (stdlib, interpreter)"
 

@@ -46,7 +46,7 @@ def usage_fields(
         "fallback_index": str(admitted.candidate.index),
         "requested_tier": requested_tier,
         "tier": admitted.tier.value,
-        "prompt_tokens": str(int(prompt)),  # int(): a worker's JSON true says "1"
+        "prompt_tokens": str(int(prompt)),  # a JSON true passes Usage.take as an int: "1"
         "completion_tokens": str(int(completion)),
         "estimated": "1" if estimated else "0",
         "status": str(status),

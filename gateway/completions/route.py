@@ -317,5 +317,5 @@ def _where(exc: BaseException) -> str:
     return f"{frame.filename.removeprefix(_ROOT)}:{frame.lineno} ({frame.name})"
 
 
-_ROOT = str(Path(__file__).resolve().parent.parent) + os.sep
+_ROOT = str(Path(__file__).resolve().parents[2]) + os.sep  # where gateway/ is
 _PACKAGES = tuple(_ROOT + package + os.sep for package in ("gateway", "routing", "tiers"))

@@ -7,7 +7,6 @@ resending is always safe. A record that cannot reach Redis waits in this process
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -21,8 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from routing.store.base import Store
 from routing.store.scripts import TRANSACTION, Call, Scripts
 from routing.store.wire import text
-
-log = logging.getLogger("gateway.usage")
 
 USAGE_STREAM = "usage"
 

@@ -14,7 +14,7 @@ from routing.store.wire import Command
 
 
 class Store(Protocol):
-    """Where admission scripts run (routing/scripts.py): `RespClient`, or `RedisPyStore`."""
+    """Where admission scripts run (routing/store/scripts.py): `RespClient`, or `RedisPyStore`."""
 
     def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
         """Send the commands in one round trip, now; the future gets one reply per command,
@@ -26,7 +26,7 @@ class Store(Protocol):
     async def aclose(self) -> None: ...
 
     # How many times the store moved to another master (Sentinel); None where it cannot
-    # tell. A write the old master took may be gone after a move (routing/ledger.py).
+    # tell. A write the old master took may be gone after a move (routing/ledger/recent.py).
     moves: int | None
     # Whether every key is on one server, so that one script may touch keys of several hash
     # tags (a model's and an account's): not on a Cluster.

@@ -133,7 +133,7 @@ def _options(*, socket_timeout: float | None) -> dict[str, Any]:
     }
 
 
-# --- Redis Cluster (routing/cluster.py), detected by itself from any node's address --------
+# --- Redis Cluster (routing/store/cluster.py), detected by itself from any node's address --
 
 
 def is_cluster(url: str, command_timeout_s: float) -> bool:

@@ -136,6 +136,7 @@ async def test_failure_before_the_answer_is_a_500_envelope(
     assert rid in logged
     assert "ValueError" in logged
     assert "gateway/" in logged  # where in the gateway's own code it went wrong
+    assert " gateway/completions/hop.py:" in logged  # the innermost frame of ours, shortened
     assert "secret" not in logged
 
 

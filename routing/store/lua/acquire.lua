@@ -21,7 +21,7 @@ local now = now_ms()
 local expiry = (now + ttl) .. ''
 -- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
 -- queued before leaves its place below, in the rest: the queue is not empty then). Left
--- out where Redis lets the script itself run at maxmemory (routing/store/scripts.py `ALLOW_OOM`).
+-- out where Redis lets the script itself run at maxmemory (routing/scripts.py `ALLOW_OOM`).
 redis.call('ZREM', QEXP, id)  -- @oom-guard
 -- On one Redis a walk's first try takes the account's own slot here too: ACCOUNT is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round

@@ -2,7 +2,7 @@
 -- then the functions a script's common case calls (its `-- @needs` line names them: each
 -- `-- @fn` block below), then at the script's `-- @rest` line (or before the script when it
 -- has none) all the others. Lua makes each local function anew on every call (about 150 ns
--- with its upvalues), so the common case makes only those it calls (routing/store/scripts.py).
+-- with its upvalues), so the common case makes only those it calls (routing/scripts.py).
 -- KEYS[1] is the model's `leases`; its other keys are named after it (the same hash tag
 -- {model}, so every script touches one Cluster slot). A key passed in KEYS costs a script
 -- about 230 ns, a name made here about 100 ns, and only the names a path uses are made.
@@ -30,12 +30,12 @@ local BASE = string.sub(LEASES, 1, -7)
 local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
 local QEXP = BASE .. 'qexp'
 -- On one Redis, acquire and release may be given an account's key after the model's (the
--- leases alone, or on a Cluster all eight: routing/admission/slots.py `declare_all`).
+-- leases alone, or on a Cluster all eight: routing/slots.py `declare_all`).
 local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
 -- The state marker's value when no rebuild window can be open: the common case's test.
 local STEADY = '0'
 -- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
--- not checked (routing/admission/slots.py `UNBOUND`).
+-- not checked (routing/slots.py `UNBOUND`).
 local UNBOUND = '-'
 local RANK = 1e15
 
@@ -120,7 +120,7 @@ end
 
 local SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
 
--- Fair share. An id ends in "~weight~account" (routing/admission/slots.py `make_lease_id`), so every
+-- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
 -- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
 -- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
 -- `held`   HASH account -> leases of the model it holds: counted only while someone waits

@@ -1,12 +1,12 @@
 -- Append a usage record unless it was appended before: the way of every resend (the spool's,
 -- the records a lost master took). A record's first send is a MULTI of the same writes
--- (routing/ledger/records.py `FirstSends`), which costs Redis half as much.
+-- (routing/ledger.py `FirstSends`), which costs Redis half as much.
 -- KEYS[1] the stream `usage`, KEYS[2] the set of identities of the record's second
 -- ({usage}:rids:<second>), KEYS[3] the identity's own key as older releases wrote it
 -- ({usage}:rid:<identity>); all in the Cluster slot of `usage`.
 -- ARGV: 1 when the set may go (ms since the epoch), 2 the identity, 3.. field/value pairs.
 -- Returns 1 when appended, 0 when the identity was already recorded. The stream is trimmed
--- to the retention by each replica's spool round (routing/ledger/records.py `trim_stream`), not here.
+-- to the retention by each replica's spool round (routing/ledger.py `trim_stream`), not here.
 --
 -- The FIRST write must stay SADD (a `denyoom` command). At maxmemory under noeviction Redis
 -- refuses a script whose first write is denyoom before it changed anything: the record is
