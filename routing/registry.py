@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator
+from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
 from tiers.policy import Tier
 
@@ -57,6 +57,18 @@ class ModelConfig(BaseModel):
     price: PriceConfig = PriceConfig()
     worker_priority: bool = False
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
+    # Hash tags the endpoints are split over (routing/admission/partitions.py): one hot
+    # model's admissions spread over that many Redis Cluster masters.
+    partitions: int = Field(1, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _partitions_have_endpoints(self) -> ModelConfig:
+        if self.partitions > len(self.endpoints):
+            raise ValueError(
+                f"partitions ({self.partitions}) must not exceed the number of endpoints "
+                f"({len(self.endpoints)}): each partition needs one"
+            )
+        return self
 
     @field_validator("endpoints")
     @classmethod

@@ -112,7 +112,7 @@ class GatewayState:
                 if self.health.is_up(e.base_url)
             ]
             self.admission.set_endpoints(model.name, healthy)
-            self.metrics.capacity.labels(model.name).set(self.admission.slots[model.name].capacity)
+            self.metrics.capacity.labels(model.name).set(self.admission.capacity(model.name))
             for e in model.config.endpoints:
                 up = 1 if self.health.is_up(e.base_url) else 0
                 self.metrics.endpoint_up.labels(model.name, e.base_url).set(up)
@@ -129,7 +129,7 @@ class GatewayState:
         """Why this replica should not get traffic, or None."""
         if self.draining:
             return "shutting down"
-        down = [m.name for m in self.registry if self.admission.slots[m.name].capacity == 0]
+        down = [m.name for m in self.registry if self.admission.capacity(m.name) == 0]
         if down:
             return "no healthy endpoint for " + ", ".join(down[:10])
         return None
@@ -166,6 +166,7 @@ class GatewayState:
         is logged and the running values stay."""
         config = self._keep_restart_only(config)
         old_names = set(self.registry.names())
+        old_slots = set(self.admission.slots)
         self.config = config
         self.registry = Registry(config.models)
         # Endpoints that leave stay known while leases still hold them.
@@ -183,7 +184,7 @@ class GatewayState:
             self.admission.set_endpoints(gone, [])
             self.metrics.capacity.labels(gone).set(0)
         self._health_changed(set(self.health.endpoints))
-        if set(self.registry.names()) != old_names:
+        if set(self.admission.slots) != old_slots:  # new models or partitions
             self.keeper.resubscribe()
         log.info("config reloaded: %d models", len(config.models))
 

@@ -14,10 +14,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from routing.admission import refusals
-from routing.admission.affinity import rendezvous
 from routing.admission.handback import Handback
-from routing.admission.plan import Candidate
-from routing.admission.slots import ACCOUNT_FULL, GRANTED, QUEUED, Attempt, Timing, attempt
+from routing.admission.slots import (
+    ACCOUNT_FULL,
+    BUSY,
+    GRANTED,
+    NO_INDEX,
+    PREFERRED,
+    QUEUED,
+    Attempt,
+    Timing,
+    attempt,
+)
 from routing.admission.waiting import Waiting
 from routing.store.scripts import first_error
 from tiers.policy import Tier
@@ -51,16 +59,16 @@ class Acquire:
         self._clock = clock
 
     async def past_rebuild(
-        self, walk: Walk, cand: Candidate, tier: Tier, deadline: float
+        self, walk: Walk, part: str, may_wait: bool, tier: Tier, deadline: float
     ) -> Attempt:
         """`try_one`; a request that may wait and finds the model being rebuilt (Redis lost
         its state, routing/store/lua/prelude.lua) waits for the window to end and tries again until
         `deadline` (its queue timeout). Meanwhile it holds no account entry: the account's
         count may not be written back yet, so it is checked again after."""
         while True:
-            result = await self.try_one(walk, cand, tier)
+            result = await self.try_one(walk, part, may_wait, tier)
             left = deadline - self._clock()
-            if not (result.rebuild_ms and cand.may_wait and left > 0):
+            if not (result.rebuild_ms and may_wait and left > 0):
                 return result
             self.holdings.waiters.pop(walk.lease_id, None)
             if self.holdings.walking.pop(walk.lease_id, None) is not None:
@@ -68,16 +76,34 @@ class Acquire:
                 self.handback.give_back(walk.lease_id, None, walk.akey)
             await asyncio.sleep(min(result.rebuild_ms / 1000, left))
 
-    async def try_one(self, walk: Walk, cand: Candidate, tier: Tier) -> Attempt:
+    async def try_one(self, walk: Walk, part: str, may_wait: bool, tier: Tier) -> Attempt:
         """One candidate's acquire; the first also takes the account's own slot, in the same
-        round trip (and the model's slot goes back if the account is at its limit)."""
-        model = cand.model.name
-        calls = self._calls(walk, cand, tier)
+        round trip (and the model's slot goes back if the account is at its limit). Where
+        Redis holds no endpoint index for the model (a first start, Redis lost it), the
+        index is written and the acquire sent again behind it, in one more round trip."""
+        result = await self._try(walk, part, may_wait, tier, with_index=False)
+        if result.status != NO_INDEX:
+            return result
+        self.slots[part].rewrite()
+        result = await self._try(walk, part, may_wait, tier, with_index=True)
+        # Still none (Redis refused the write): busy, as a model without room.
+        return result if result.status != NO_INDEX else Attempt(BUSY, "", 0, 0, 0)
+
+    async def _try(
+        self, walk: Walk, model: str, may_wait: bool, tier: Tier, *, with_index: bool
+    ) -> Attempt:
+        """`model`: the slots' name (the model, or one of its partitions)."""
+        index = self.slots[model].index() if with_index else None
+        calls = self._calls(walk, model, may_wait, tier)
+        calls = [index, *calls] if index else calls
         with_account = not walk.has_account
         replies = await self.handback.outliving(
             self.scripts.send(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
+        if index and isinstance(replies[0], Exception):
+            self.slots[model].rewrite()
+        replies = replies[1:] if index else replies
         # On one Redis the acquire script itself takes the account's slot (one call).
         merged = with_account and self.store.one_node
         if with_account and _took_account(replies, merged):
@@ -90,13 +116,15 @@ class Acquire:
             self.handback.give_back(walk.lease_id, model, account)
             raise error
         result = attempt(replies[-1])
+        if result.status == NO_INDEX:
+            return result
         if not walk.has_account:
             if result.status in (GRANTED, QUEUED):
                 self.handback.give_back(walk.lease_id, model, None)
             raise refusals.account_full(walk.account, walk.limit)
         return result
 
-    def _calls(self, walk: Walk, cand: Candidate, tier: Tier) -> list[Any]:
+    def _calls(self, walk: Walk, model: str, may_wait: bool, tier: Tier) -> list[Any]:
         calls: list[Any] = []
         account = None
         if not walk.has_account and self.store.one_node:
@@ -104,18 +132,17 @@ class Acquire:
         elif not walk.has_account:
             ttl = self.timing.lease_ttl_ms
             calls.append(("account", [walk.akey], [walk.lease_id, walk.limit, ttl]))
-        model = cand.model.name
-        if cand.may_wait:
+        if may_wait:
             # Registered before the call: a wake-up may arrive before the reply does.
             self.waiting.register(walk.lease_id, model)
         preferred = None
         if walk.cache_key is not None:
-            preferred = rendezvous(walk.cache_key, self.slots[model].urls)
+            preferred = self.slots[model].ring.preferred(walk.cache_key, PREFERRED)
         calls.append(
             self.slots[model].acquire(
                 walk.lease_id,
                 tier,
-                may_wait=cand.may_wait,
+                may_wait=may_wait,
                 affinity=preferred,
                 account=account,
             )
@@ -130,5 +157,5 @@ def _took_account(replies: list[Any], merged: bool) -> bool:
     if isinstance(reply, Exception):
         return False
     if merged:
-        return attempt(reply).status != ACCOUNT_FULL
+        return attempt(reply).status not in (ACCOUNT_FULL, NO_INDEX)
     return int(reply) == 1

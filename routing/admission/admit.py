@@ -25,6 +25,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from routing.admission import refusals
 from routing.admission.acquire import Acquire, Walk
@@ -32,6 +34,7 @@ from routing.admission.estimate import RetryAfter
 from routing.admission.handback import Handback
 from routing.admission.holdings import Holdings, Lease, Waiter
 from routing.admission.outage import LocalShares, Outage
+from routing.admission.partitions import Rotation, partition_names, split
 from routing.admission.plan import Candidate
 from routing.admission.slots import (
     GRANTED,
@@ -50,7 +53,7 @@ from routing.ledger.spool import Ledger, UsageSpool
 from routing.registry import Model, Registry
 from routing.store.base import Store
 from routing.store.causes import StoreErrors
-from routing.store.scripts import STORE_ERRORS, Scripts
+from routing.store.scripts import STORE_ERRORS, Scripts, first_error
 from routing.store.wire import text
 from tiers.policy import Tier, TiersConfig
 
@@ -67,6 +70,12 @@ class Admitted:
 
 
 class Admission:
+    # Slots by name: each model's partitions (routing/admission/partitions.py, the first
+    # named as the model); the order a request tries them in; where each endpoint is.
+    slots: dict[str, ModelSlots]
+    rotations: dict[str, Rotation]
+    _part_of: dict[tuple[str, str], str]
+
     def __init__(
         self,
         store: Store,
@@ -83,8 +92,9 @@ class Admission:
         store_errors: StoreErrors | None = None,
         scripts: Scripts | None = None,
     ) -> None:
-        # Where the scripts run: the lean pipelining client when the URL allows it.
-        self.store = store
+        # Where the scripts run (the lean pipelining client when the URL allows it); started:
+        # scripts loaded, endpoint changes are written to Redis at once.
+        self.store, self._started = store, False
         self.scripts = scripts if scripts is not None else Scripts()
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
@@ -94,9 +104,8 @@ class Admission:
         self.holdings = Holdings()
         self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
         self.retry = RetryAfter()
-        self.slots: dict[str, ModelSlots] = {}
-        for model in registry:
-            self._add(model, tiers)
+        self.slots, self.rotations, self._part_of = {}, {}, {}
+        self.apply(registry, tiers)
         self.store_errors = store_errors if store_errors is not None else StoreErrors()
         self.handback = Handback(
             self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
@@ -119,6 +128,7 @@ class Admission:
         return self.holdings.waiters
 
     async def start(self) -> None:
+        self._started = True
         try:
             await self.scripts.load(self.store)
         except STORE_ERRORS as exc:  # not fatal: loaded again on first use (NOSCRIPT)
@@ -162,27 +172,43 @@ class Admission:
     ) -> Admitted:
         last: RoutingError | None = None
         for cand in candidates:
-            tier, walk.at = cand.tier, cand.model.name
-            if self.slots[cand.model.name].capacity == 0:
+            walk.at = cand.model.name
+            if self.capacity(cand.model.name) == 0:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
-            deadline = self._clock() + self._tiers.policy(tier).queue_timeout_s
-            result = await self.acquire.past_rebuild(walk, cand, tier, deadline)
-            endpoint = await self._settle(walk, cand, tier, result, deadline)
-            if endpoint is not None:
-                queued_ms = (self._clock() - started) * 1000
-                lease = Lease(walk.lease_id, cand.model.name, endpoint, walk.akey, queued_ms)
-                self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
-                self.holdings.held[lease.id] = lease
-                return Admitted(lease, cand, tier)
-            retry = self.retry_after(cand.model.name, result.turn)
-            last = refusals.rejection(cand.model.name, tier, result, retry)
+            deadline = self._clock() + self._tiers.policy(cand.tier).queue_timeout_s
+            admitted, last = await self._try_parts(walk, cand, deadline, started)
+            if admitted is not None:
+                return admitted
         assert last is not None
         raise last
 
+    async def _try_parts(
+        self, walk: Walk, cand: Candidate, deadline: float, started: float
+    ) -> tuple[Admitted | None, RoutingError | None]:
+        """The candidate's partitions in turn (routing/admission/partitions.py): the first
+        with room admits; only the last tried may queue. Else the last one's refusal."""
+        model, tier = cand.model.name, cand.tier
+        queued = {p: self.slots[p].seen_queue for p in self.rotations[model].parts}
+        order = self.rotations[model].order(walk.cache_key, cand.may_wait, tier, queued)
+        last: RoutingError | None = None
+        for part, may_wait in order:
+            if self.slots[part].capacity == 0:
+                continue
+            result = await self.acquire.past_rebuild(walk, part, may_wait, tier, deadline)
+            endpoint = await self._settle(walk, model, tier, result, deadline)
+            if endpoint is not None:
+                queued_ms = (self._clock() - started) * 1000
+                lease = Lease(walk.lease_id, model, endpoint, walk.akey, queued_ms, part=part)
+                self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
+                self.holdings.held[lease.id] = lease
+                return Admitted(lease, cand, tier), None
+            last = refusals.rejection(model, tier, result, self.retry_after(model, result.turn))
+        return None, last
+
     async def _settle(
-        self, walk: Walk, cand: Candidate, tier: Tier, result: Attempt, deadline: float
+        self, walk: Walk, model: str, tier: Tier, result: Attempt, deadline: float
     ) -> str | None:
         """The granted endpoint (at once, or after waiting in the queue until `deadline`,
         the end of its queue timeout: a wait for a rebuild window came out of it), or None."""
@@ -194,7 +220,7 @@ class Admission:
         outcome = await self.waiting.wait(walk.lease_id, place, max(0.0, deadline - self._clock()))
         if isinstance(outcome, str):
             return outcome
-        model = cand.model.name  # timed out: its Retry-After from its turn if it came again
+        # Timed out: its Retry-After from its turn if it came again.
         raise refusals.queue_timeout(model, timeout, self.retry_after(model, outcome))
 
     # --- leases --------------------------------------------------------------------------
@@ -207,7 +233,7 @@ class Admission:
         """Move a held slot off an endpoint that could not be reached (or that this replica
         does not know), onto another endpoint of the same model with room, keeping the slot
         (no waiter can take it meanwhile). False when there is none."""
-        call = self.slots[lease.model].move(lease.id, avoid, only)
+        call = self.slots[lease.keys].move(lease.id, avoid, only)
         try:
             endpoint = text(await asyncio.shield(self.scripts.call(self.store, call)))
         except STORE_ERRORS:
@@ -218,44 +244,77 @@ class Admission:
         return True
 
     def retry_after(self, model: str, ahead: int) -> int:
-        return self.retry.seconds(model, ahead, self.slots[model].capacity)
+        return self.retry.seconds(model, ahead, self.capacity(model))
+
+    def capacity(self, model: str) -> int:
+        """The slots of `model`'s endpoints in rotation, over all its partitions."""
+        return sum(self.slots[p].capacity for p in self.rotations[model].parts)
 
     # --- configuration -------------------------------------------------------------------
 
     def _add(self, model: Model, tiers: TiersConfig) -> None:
+        """Slots for each of the model's partitions (new names only: a partition that left
+        with a reload keeps its slots, its requests in flight still release)."""
+        parts = partition_names(model.name, model.config.partitions)
+        rotation = self.rotations.get(model.name)
+        if rotation is None or rotation.parts != list(parts):
+            self.rotations[model.name] = Rotation(parts)
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        slots = ModelSlots(
-            model.name, utilization, model.config.max_queue, self.timing, _fair(tiers),
-            declare_all=not self.store.one_node,
-        )  # fmt: skip
-        # Every endpoint is in rotation until health checks say otherwise.
-        endpoints = model.config.endpoints
-        slots.configured = frozenset(e.base_url for e in endpoints)
-        slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in endpoints])
-        self.slots[model.name] = slots
-        self.local.capacity[model.name] = slots.capacity
+        max_queue = -(-model.config.max_queue // len(parts))  # each holds its share
+        for part, endpoints in zip(parts, split(model.config.endpoints, len(parts)), strict=True):
+            urls = [e.base_url for e in endpoints]
+            slots = self.slots.get(part)
+            if slots is None:
+                slots = ModelSlots(
+                    part, utilization, max_queue, self.timing, _fair(tiers),
+                    declare_all=not self.store.one_node,
+                )  # fmt: skip
+                self.slots[part] = slots
+                # Every endpoint is in rotation until health checks say otherwise.
+                slots.configured = frozenset(urls)
+                slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in endpoints])
+            else:
+                slots.configure(utilization, max_queue, _fair(tiers), urls)
+            for url in urls:
+                self._part_of[model.name, url] = part
+        self.local.capacity[model.name] = self.capacity(model.name)
 
     def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
-        """A new config: new models get slots, known ones new ceilings and queue bounds, and
-        the local outage shares the new tiers (and the outage its mode, if given). Models
-        that left keep their slots (their requests in flight still release)."""
+        """A new config: new models (and partitions) get slots, known ones new ceilings and
+        queue bounds, and the local outage shares the new tiers (and the outage its mode, if
+        given). Models that left keep their slots (their requests in flight still release);
+        partitions that left keep theirs too, with no endpoint: they admit no more."""
         self._tiers = tiers
         self.local.tiers = tiers
         if on_outage is not None:
             self.outage.mode = on_outage
-        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
         for model in registry:
-            slots = self.slots.get(model.name)
-            if slots is None:
-                self._add(model, tiers)
-            else:
-                urls = (e.base_url for e in model.config.endpoints)
-                slots.configure(utilization, model.config.max_queue, _fair(tiers), urls)
+            before = self.rotations.get(model.name)
+            self._add(model, tiers)
+            for part in set(before.parts if before else ()) - set(self.rotations[model.name].parts):
+                self.slots[part].set_endpoints([])
+                self._send_index(self.slots[part])
 
     def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
-        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty)."""
-        self.slots[model].set_endpoints(endpoints)
-        self.local.capacity[model] = self.slots[model].capacity
+        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty).
+        Redis's endpoint index learns them now once admission started (before, at the
+        first acquire or sweep); a write that fails is made whole by the next sweep."""
+        by_part: dict[str, list[tuple[str, int, float]]] = {
+            p: [] for p in self.rotations[model].parts
+        }
+        for endpoint in endpoints:
+            part = self._part_of.get((model, endpoint[0]))
+            if part in by_part:
+                by_part[part].append(endpoint)
+        for part, mine in by_part.items():
+            self.slots[part].set_endpoints(mine)
+            self._send_index(self.slots[part])
+        self.local.capacity[model] = self.capacity(model)
+
+    def _send_index(self, slots: ModelSlots) -> None:
+        if self._started and (call := slots.index()) is not None:
+            sent = self.scripts.send(self.store, [call])
+            sent.add_done_callback(partial(_indexed, slots))
 
     # --- shutdown ------------------------------------------------------------------------
 
@@ -264,6 +323,12 @@ class Admission:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         await self.handback.drain(timeout_s)
+
+
+def _indexed(slots: ModelSlots, sent: asyncio.Future[list[Any]]) -> None:
+    """An index write's reply: one that failed (or may have) is written whole again."""
+    if sent.cancelled() or sent.exception() is not None or first_error(sent.result()):
+        slots.rewrite()
 
 
 def _fair(tiers: TiersConfig) -> dict[Tier, bool]:

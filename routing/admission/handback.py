@@ -97,7 +97,7 @@ class Handback:
         replies = None if sent.cancelled() or failed else sent.result()
         held = None if replies is None else replies[: len(replies) - (usage is not None)]
         if held is None or (failed := first_error(held)) is not None:
-            self.holdings.doubt(lease.id, lease.model, lease.account)  # the sweeps retry it
+            self.holdings.doubt(lease.id, lease.keys, lease.account)  # the sweeps retry it
             if failed is not None:
                 self.store_errors.report(failed, "release")
         if usage is not None and (replies is None or isinstance(replies[-1], Exception)):
@@ -112,7 +112,7 @@ class Handback:
 
     def _release_calls(self, lease: Lease) -> list[Any]:
         """The slot and the account's entry: one call on one Redis, else one per node."""
-        slots = self.slots[lease.model]
+        slots = self.slots[lease.keys]
         if self.store.one_node:
             return [slots.release([lease.id], lease.account, lease.endpoint)]
         return [

@@ -37,13 +37,20 @@ class Lease:
     local: bool = False
     # When the slot was taken (time.monotonic), for the hold-time estimate of Retry-After.
     since: float = field(default_factory=time.monotonic)
+    # The partition whose keys hold it (routing/admission/partitions.py); "": the model's.
+    part: str = ""
+
+    @property
+    def keys(self) -> str:
+        """The name of the slots that hold it: the model, or one of its partitions."""
+        return self.part or self.model
 
 
 @dataclass(slots=True)
 class Waiter:
-    """A request of this replica waiting in a model's queue."""
+    """A request of this replica waiting in a model's (or a partition's) queue."""
 
-    model: str
+    model: str  # the slots' name: the model, or one of its partitions
     future: asyncio.Future[str]
     # Its place in the queue, once Redis has confirmed it (rank x RANK + sequence).
     place: int | None = None
@@ -53,7 +60,7 @@ class Waiter:
 class Orphan:
     """An id whose state in Redis is in doubt: to be forgotten there."""
 
-    model: str | None  # the model whose keys may hold it (lease or waiter)
+    model: str | None  # the model (or partition) whose keys may hold it (lease or waiter)
     account: str | None  # the account key whose count may hold it
     rounds: int = FORGET_ROUNDS
     since: float = field(default_factory=time.monotonic)
@@ -97,7 +104,7 @@ class Holdings:
         found: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for lease in self.held.values():
             if not lease.local:
-                found[lease.model].append((lease.id, lease.endpoint))
+                found[lease.keys].append((lease.id, lease.endpoint))
         return found
 
     def waiters_by_model(self) -> dict[str, list[tuple[str, int]]]:

@@ -53,6 +53,8 @@ class _Round:
     orphan_calls: int
     # This replica's slots per model when the round was built (for the local shares).
     mine: dict[str, int]
+    # The models whose endpoint index changed: their index calls lead the round.
+    indexed: list[str]
 
 
 @dataclass
@@ -110,7 +112,9 @@ class Keeper:
         holdings = adm.holdings
         leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
         models = list(adm.slots)
-        calls = [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
+        indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
+        calls = list(indexes.values())
+        calls += [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
         calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
         entries = holdings.entries_by_account()
         ttl = adm.timing.lease_ttl_ms
@@ -127,23 +131,37 @@ class Keeper:
             list(holdings.orphans),
             len(orphan_calls),
             {m: len(ls) for m, ls in leases.items()},
+            list(indexes),
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
         adm = self.admission
         now = asyncio.get_running_loop().time()
-        for model, reply in zip(work.models, replies, strict=False):
+        for model, reply in zip(work.indexed, replies, strict=False):
+            if isinstance(reply, Exception):
+                adm.slots[model].rewrite()
+        replies = replies[len(work.indexed) :]
+        found_parts: dict[str, ModelState] = {}
+        for part, reply in zip(work.models, replies, strict=False):
             if isinstance(reply, Exception):
                 continue
             found = sweep_result(reply)
-            adm.slots[model].known = True
-            adm.local.observe(model, found.state.inflight, work.mine.get(model, 0))
-            self.states[model] = found.state
-            adm.retry.freed(model, now, found.state.freed)
-            adm.handback.recheck(found.restored, model)
-            for waiter_id, endpoint in zip(work.waiters.get(model, []), found.granted, strict=True):
+            slots = adm.slots[part]
+            slots.known = True
+            slots.saw(found.state.version)
+            slots.seen_queue = found.state.queued
+            found_parts[part] = found.state
+            adm.handback.recheck(found.restored, part)
+            for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
                 if endpoint:
                     self.wake(waiter_id, endpoint)
+        for model, rotation in adm.rotations.items():
+            if all(p in found_parts for p in rotation.parts):  # a model's parts summed
+                state = _summed([found_parts[p] for p in rotation.parts])
+                mine = sum(work.mine.get(p, 0) for p in rotation.parts)
+                adm.local.observe(model, state.inflight, mine)
+                self.states[model] = state
+                adm.retry.freed(model, now, state.freed)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
             adm.local.saw([text(r) for r in replies[at]])
@@ -206,6 +224,13 @@ class Keeper:
         waiter_id, _, endpoint = text(message.get("data")).partition(" ")
         if endpoint:
             self.wake(waiter_id, endpoint)
+
+
+def _summed(states: Sequence[ModelState]) -> ModelState:
+    """A model's state over its partitions."""
+    queued = {t: sum(s.queued.get(t, 0) for s in states) for t in states[0].queued}
+    freed = sum(s.freed for s in states)
+    return ModelState(sum(s.inflight for s in states), queued, freed, states[0].version)
 
 
 async def _close_quietly(pubsub: Any) -> None:

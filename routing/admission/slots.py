@@ -11,11 +11,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from routing.admission.affinity import Ring
 from routing.store.scripts import Call
 from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier
 
-GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL = 1, 2, 0, -1, -2
+GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL, NO_INDEX = 1, 2, 0, -1, -2, -3
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
 RANK = 10**15
 # A tier's ceiling that does not bind (as in prelude.lua).
@@ -54,6 +55,8 @@ class ModelState:
     inflight: int
     queued: dict[Tier, int]
     freed: int
+    # The version of the endpoint index Redis holds ('' when none).
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +101,21 @@ def account_key(account: str) -> str:
 
 
 # A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.
-_MODEL_KEYS = ("leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild")
+_MODEL_KEYS = (
+    "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
+)  # fmt: skip
+# How many endpoints prefix-cache affinity prefers for a key (small and fixed: an acquire
+# tries these, then the least loaded).
+PREFERRED = 4
 
 
 class ModelSlots:
     """One model's keys and the script calls on them.
 
     The endpoints in rotation (healthy ones) and so the capacity and tier ceilings change
-    with health; the script arguments are rebuilt then, not per request.
+    with health. The endpoints live in Redis (the endpoint index, routing/store/lua/
+    index.lua), written when they change (`index`), never passed per call: what a call
+    costs does not grow with the number of endpoints.
     """
 
     def __init__(
@@ -133,9 +143,15 @@ class ModelSlots:
         # Whether this replica has seen the model's state in Redis (a sweep answered): if it
         # is gone later, Redis lost it (routing/store/lua/prelude.lua, `lost`).
         self.known = False
+        # The waiters per tier the last sweep found (which partition a request queues in).
+        self.seen_queue: dict[Tier, int] = {}
         # The model's endpoints as configured (None: not told); see `_ceiling`.
         self.configured: frozenset[str] | None = None
         self._spec: dict[str, tuple[int, float]] = {}
+        # The index as this replica last wrote it (None: to be written whole).
+        self._written: dict[str, tuple[int, float]] | None = None
+        self.version = ""
+        self.ring = Ring(())
         self.urls: list[str] = []
         self.configure(utilization, max_queue, fair)
 
@@ -156,23 +172,55 @@ class ModelSlots:
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
     def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
-        """The endpoints in rotation: (url, max_concurrency, load penalty)."""
+        """The endpoints in rotation: (url, max_concurrency, load penalty). Redis learns
+        them from the next `index` call."""
         self.capacity = sum(size for _, size, _ in endpoints)
-        self.urls = [url for url, _, _ in endpoints]
-        self._spec = {url: (size, penalty) for url, size, penalty in endpoints}
+        urls = [url for url, _, _ in endpoints]
+        if set(urls) != set(self.urls):
+            self.ring = Ring(urls)
+        self.urls = urls
+        self._spec = {url: (size, round(penalty, 4)) for url, size, penalty in endpoints}
         # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
-        self._endpoints = self._args(self.urls)
-        # Ties in load go to the first endpoint listed: acquires take turns at the order.
-        self._rotations = [self._args(self.urls[i:] + self.urls[:i]) for i in range(len(self.urls))]
-        self._turn = 0
         # What every pumping script needs to hand slots on, in one argument the scripts read
         # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, which
-        # tiers share between accounts, endpoints.
-        self._pump_spec = " ".join(
-            map(str, [self._timing.claim_ms, *self._ceilings, self._fair, *self._endpoints])
-        )
+        # tiers share between accounts.
+        self._pump_spec = " ".join(map(str, [self._timing.claim_ms, *self._ceilings, self._fair]))
+        # The index's version: its endpoints and sizes (penalties change too often to count).
+        sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _) in self._spec.items()))
+        self.version = hashlib.blake2b(sizes.encode(), digest_size=8).hexdigest()
+
+    def index(self) -> Call | None:
+        """The endpoint index's change since this replica last wrote it (all of it when it
+        must be written whole: `rewrite`); None when there is none."""
+        written, spec = self._written, self._spec
+        whole = written is None
+        if written is None:
+            changed, leaving = list(spec), []
+        else:
+            changed = [url for url, now in spec.items() if written.get(url) != now]
+            leaving = [url for url in written if url not in spec]
+            if not changed and not leaving:
+                return None
+        self._written = dict(spec)
+        t = self._timing
+        args: list[Any] = [self.version, int(whole), int(self.known), t.rebuild_ms, len(changed)]
+        for url in changed:
+            args += (url, *spec[url])
+        args += (len(leaving), *leaving)
+        return ("index", self._key, args)
+
+    def rewrite(self) -> None:
+        """Write the index whole with the next `index` call: Redis has none or another
+        version, or the last write may not have reached it."""
+        self._written = None
+
+    def saw(self, version: str) -> None:
+        """The index version a sweep found in Redis: another than this replica's view is
+        written over whole."""
+        if version != self.version:
+            self.rewrite()
 
     def _ceiling(self, utilization: float) -> float | str:
         """A tier's ceiling; `UNBOUND` when it is the endpoints' sum and every endpoint of
@@ -183,13 +231,6 @@ class ModelSlots:
         whole = self.configured is not None and self.configured <= self._spec.keys()
         return UNBOUND if whole and ceiling >= self.capacity else ceiling
 
-    def _args(self, urls: Sequence[str]) -> list[Any]:
-        args: list[Any] = [len(urls)]
-        for url in urls:
-            size, penalty = self._spec[url]
-            args += [url, size, round(penalty, 4)]
-        return args
-
     def acquire(
         self,
         lease_id: str,
@@ -199,23 +240,18 @@ class ModelSlots:
         affinity: Sequence[str] | None = None,
         account: tuple[str, int] | None = None,
     ) -> Call:
-        """`affinity`: take the first of these endpoints with room (prefix-cache order);
-        else the least loaded of all. `account` (its key and limit, on one Redis only: the
-        call then touches two hash tags): take the account's own slot first, or nothing
-        (`ACCOUNT_FULL`)."""
-        mode, endpoints = "least", self._endpoints
-        if self._rotations:
-            self._turn = (self._turn + 1) % len(self._rotations)
-            endpoints = self._rotations[self._turn]
-        if affinity:
-            mode, endpoints = "first", self._args([u for u in affinity if u in self._spec])
+        """`affinity`: take the first of these endpoints with room (prefix-cache order, a
+        few: `PREFERRED`); else the least loaded. `account` (its key and limit, on one Redis
+        only: the call then touches two hash tags): take the account's own slot first, or
+        nothing (`ACCOUNT_FULL`)."""
+        preferred = [u for u in affinity if u in self._spec] if affinity else []
         t = self._timing
         packed = (
             f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
             + self._pump_spec
         )
-        args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank], mode,
-                *endpoints, packed]  # fmt: skip
+        args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank],
+                len(preferred), *preferred, packed]  # fmt: skip
         if account is None:
             return ("acquire", self._key, args)
         return ("acquire", [*self._key, account[0]], [*args, account[1]])
@@ -235,7 +271,7 @@ class ModelSlots:
         removed): the grants likely before it if it queued again; else its granted endpoint
         ('' for an id Redis does not know)."""
         fair = int(self._fair[rank] == "a")
-        return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair, self._pump_spec])
+        return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
@@ -256,9 +292,12 @@ class ModelSlots:
         return ("sweep", self._key, args)
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:
-        """Move a held lease off `avoid` onto another endpoint (of `only`) with room."""
-        urls = [u for u in (self.urls if only is None else only) if u != avoid and u in self._spec]
-        args = [lease_id, self._timing.lease_ttl_ms, avoid, *self._args(urls)]
+        """Move a held lease off `avoid` onto another endpoint with room: the first of
+        `only` (when given), else the least loaded."""
+        urls = [u for u in only if u != avoid and u in self._spec] if only is not None else []
+        if only is not None and not urls:
+            urls = [""]  # none to choose from: a name no endpoint has
+        args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls]
         return ("move", self._key, args)
 
 
@@ -276,8 +315,9 @@ def attempt(reply: Any) -> Attempt:
 def sweep_result(reply: Sequence[Any]) -> Sweep:
     state = reply[0]
     queued = {tier: int(state[1 + i]) for i, tier in enumerate(BY_RANK)}
+    version = text(state[2 + len(BY_RANK)]) if len(state) > 2 + len(BY_RANK) else ""
     return Sweep(
-        ModelState(int(state[0]), queued, int(state[1 + len(BY_RANK)])),
+        ModelState(int(state[0]), queued, int(state[1 + len(BY_RANK)]), version),
         [text(x) for x in reply[1]],
         [text(x) for x in reply[2]],
     )

@@ -38,7 +38,7 @@ TRANSACTION = "MULTI"
 # What a failed call raises: Redis did not do it, or may not have (the outage answers).
 STORE_ERRORS = (RedisError, OSError)
 
-_PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move")
+_PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move", "index")
 _PLAIN = ("account_keep", "heartbeat", "usage")
 # Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions
 # a script's common case calls, named on its `-- @needs` line; where each begins.

@@ -73,8 +73,14 @@ def state() -> GatewayState:
 async def admit(state: GatewayState, on: str | None = None) -> Admitted:
     """A lease; with `on`, granted on that endpoint as another replica's config would."""
     slots = state.admission.slots["m1"]
+
+    async def index() -> None:  # Redis's endpoint index follows, as the gateway writes it
+        if (call := slots.index()) is not None:
+            await state.admission.scripts.call(state.admission.store, call)
+
     if on is not None:
         slots.set_endpoints([(on, 10, 0.0)])
+        await index()
     try:
         candidates = plan_candidates(
             "m1", None, fail_fast=True, registry=state.registry, allowed=None
@@ -82,6 +88,7 @@ async def admit(state: GatewayState, on: str | None = None) -> Admitted:
         return await state.admission.admit(candidates, "acct", 10)
     finally:
         slots.set_endpoints([(url, 1, 0.0) for url in KNOWN])  # this replica's own view
+        await index()
 
 
 async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[Message]]:

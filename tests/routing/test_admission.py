@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from gateway.errors import from_routing
 from gateway.runtime.settings import GatewayConfig, parse_config
 from routing.admission.admit import Admission, Admitted, Lease
-from routing.admission.affinity import rendezvous
 from routing.admission.keeper import Keeper
+from routing.admission.partitions import partition_names
 from routing.admission.plan import Candidate, plan_candidates
 from routing.admission.slots import QUEUED
 from routing.errors import Limited, Unavailable
@@ -211,7 +211,8 @@ class Fleet:
 
     async def assert_clean(self) -> None:
         """No lease, no waiter, no per-endpoint load and no account entry left anywhere."""
-        for model in self.registry.names():
+        parts = (p for m in self.registry for p in partition_names(m.name, m.config.partitions))
+        for model in parts:
             tag = "gw:{" + model + "}:"
             assert await self.redis.zcard(tag + "leases") == 0, model
             assert await self.redis.zcard(tag + "queue") == 0, model
@@ -1001,8 +1002,8 @@ async def test_reroute_keeps_the_slot_away_from_the_queue(fleet: Fleet) -> None:
     adm = await fleet.admission()
     await fleet.keeper(adm)
     queued = watch_queued(adm)
-    urls = adm.slots["two"].urls
-    key = next(k for k in map(str, range(100)) if rendezvous(k, urls)[0] == "http://two-a:8000")
+    ring = adm.slots["two"].ring
+    key = next(k for k in map(str, range(100)) if ring.preferred(k, 1) == ["http://two-a:8000"])
     lease = (await admit(adm, fleet.plan("two"), cache_key=key)).lease
     assert lease.endpoint == "http://two-a:8000"
     adm.set_endpoints("two", [("http://two-b:8000", 1, 0.0)])  # two-a is out of rotation

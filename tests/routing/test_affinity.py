@@ -1,30 +1,45 @@
-"""Rendezvous order for prefix-cache affinity."""
+"""The hash ring of prefix-cache affinity."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from routing.admission.affinity import affinity_key, rendezvous
+from routing.admission.affinity import Ring, affinity_key
 
 URLS = [f"http://w{i}:8000" for i in range(4)]
 
 
-def test_order_is_stable_and_a_permutation() -> None:
-    first = rendezvous("conversation-17", URLS)
+def test_order_is_stable_and_distinct() -> None:
+    first = Ring(URLS).preferred("conversation-17", 4)
     assert sorted(first) == sorted(URLS)
-    assert rendezvous("conversation-17", list(reversed(URLS))) == first
+    assert Ring(list(reversed(URLS))).preferred("conversation-17", 4) == first
+    assert Ring(URLS).preferred("conversation-17", 2) == first[:2]
+
+
+def test_fewer_endpoints_than_asked_for() -> None:
+    assert Ring(URLS[:1]).preferred("k", 4) == URLS[:1]
+    assert Ring([]).preferred("k", 4) == []
 
 
 def test_keys_spread_over_endpoints() -> None:
-    favourites = Counter(rendezvous(f"key-{i}", URLS)[0] for i in range(400))
+    ring = Ring(URLS)
+    favourites = Counter(ring.preferred(f"key-{i}", 1)[0] for i in range(400))
     assert set(favourites) == set(URLS)
     assert min(favourites.values()) > 50
 
 
+def test_keys_spread_over_a_thousand_endpoints() -> None:
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(1000)]
+    ring = Ring(urls)
+    favourites = Counter(ring.preferred(f"key-{i}", 1)[0] for i in range(20_000))
+    # 20 keys each on average: none gets a tenth of them, most get some.
+    assert max(favourites.values()) < 2000 and len(favourites) > 900
+
+
 def test_removing_an_endpoint_moves_only_its_keys() -> None:
     keys = [f"key-{i}" for i in range(200)]
-    before = {k: rendezvous(k, URLS)[0] for k in keys}
-    after = {k: rendezvous(k, URLS[1:])[0] for k in keys}
+    before = {k: Ring(URLS).preferred(k, 1)[0] for k in keys}
+    after = {k: Ring(URLS[1:]).preferred(k, 1)[0] for k in keys}
     moved = [k for k in keys if before[k] != after[k]]
     assert moved and all(before[k] == URLS[0] for k in moved)
 
@@ -38,4 +53,4 @@ def test_salt_separates_the_same_key() -> None:
 def test_odd_keys_hash_without_raising() -> None:
     # The edge refuses lone surrogates; hashing must not be what fails a request anyway.
     for key in ["\ud800", "a\udfffb", "\x00", "\U0001f600", ""]:
-        assert sorted(rendezvous(key, URLS)) == sorted(URLS)
+        assert sorted(Ring(URLS).preferred(key, 4)) == sorted(URLS)

@@ -30,17 +30,20 @@ async def test_a_full_model_reclaims_expired_leases_before_turning_a_request_awa
     assert (await m.state())[-1] == 1  # the expired lease counts as freed
 
 
-async def test_a_full_endpoint_reclaims_before_an_affinity_request_is_turned_away(
+async def test_an_affinity_request_to_a_full_endpoint_goes_to_another(
     real_redis: aioredis.Redis,
 ) -> None:
-    # The model has room; only the endpoint the request must go to looks full.
+    # The model has room; only the endpoint the request prefers looks full (its lease
+    # expired): affinity's load is bounded, the request takes the least loaded other.
     m = Model(real_redis, slots([(A, 1), (B, 2)]))
     assert (await m.acquire("l1", affinity=[A])).endpoint == A
     await m.expire_lease("l1")
     got = await m.acquire("l2", affinity=[A])
-    assert (got.status, got.endpoint) == (GRANTED, A)
-    assert await m.leases() == {"l2"}
-    assert await m.load() == {A: 1}
+    assert (got.status, got.endpoint) == (GRANTED, B)
+    await m.sweep()  # the expired lease reclaimed: A has room again
+    assert (await m.acquire("l3", affinity=[A])).endpoint == A
+    assert await m.leases() == {"l2", "l3"}
+    assert await m.load() == {A: 1, B: 1}
 
 
 async def test_a_release_without_waiters_leaves_expired_leases_to_the_sweep(

@@ -153,7 +153,9 @@ async def test_a_sweep_with_an_error_reply_applies_the_rest_and_raises(fleet: Fl
     async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
         replies = await send()
         if is_sweep(calls):
-            replies[0] = ResponseError("BUSY refused")
+            # The first model's sweep (behind the index calls of a first round).
+            at = next(i for i, (name, _, _) in enumerate(calls) if name == "sweep")
+            replies[at] = ResponseError("BUSY refused")
         return replies
 
     intercept(adm, around)

@@ -1,21 +1,23 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- KEYS: 1 the model's leases (prelude), 2 on one Redis the account's key (see below).
--- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 mode
---       ('least'|'first'), 6.. endpoints (n, then url, max, penalty triples, in the order
---       `pick` tries them),
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 k, 6..
+--       the k endpoints prefix-cache affinity prefers, in order (prelude: `pick`; k small
+--       and fixed, 0 without affinity: the endpoints themselves are in Redis, not passed),
 --       then in one argument "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" and
 --       the spec (prelude: `parse_spec`) (known: this replica has seen the model's state
 --       before, 0|1; see `lost`); with ACCOUNT, then the account's limit. The id carries its
 --       account and weight (prelude: `account_of`).
--- The common case reads only the first six and the endpoints: an argument costs a script
+-- The common case reads only the first five and the preferred: an argument costs a script
 -- about 170 ns whether it reads it or not, so the others come packed.
 -- Returns, when granted, the endpoint (a string: a table reply costs Redis about 1.5 usec
 -- more); else {status, '', inflight, ahead, seq, rebuild, turn}: status 2 queued (seq = its
 -- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier), -2 the
--- account is at its limit; turn = the grants likely to go first (prelude: `turn_of`);
--- rebuild = ms left of the rebuild window when that is why it is busy, else 0.
--- @needs now_ms take_account loads_of pick grant
-local id, ttl, n = ARGV[1], ARGV[2], tonumber(ARGV[6])
+-- account is at its limit, -3 Redis holds no endpoint index for the model (a first start,
+-- or Redis lost it: nothing was taken, the replica writes it with index.lua and asks
+-- again); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
+-- the rebuild window when that is why it is busy, else 0.
+-- @needs now_ms take_account rescore pick grant
+local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[5])
 local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
 local expiry = (now + ttl) .. ''
@@ -23,20 +25,22 @@ local expiry = (now + ttl) .. ''
 -- queued before leaves its place below, in the rest: the queue is not empty then). Left
 -- out where Redis lets the script itself run at maxmemory (routing/scripts.py `ALLOW_OOM`).
 redis.call('ZREM', QEXP, id)  -- @oom-guard
+-- The state marker, `~f` and the index's version (prelude: `ep_load`), in one call.
+local loads = redis.call('HMGET', EP_LOAD, '~s', '~f', '~v')
+if not loads[3] then return {-3, '', 0, 0, 0, 0, 0} end
 -- On one Redis a walk's first try takes the account's own slot here too: ACCOUNT is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
 if ACCOUNT then
-  local limit = tonumber(ARGV[8 + 3 * n])
+  local limit = tonumber(ARGV[7 + k])
   if not take_account(ACCOUNT, id, limit, now, expiry, ttl) then return {-2, '', 0, 0, 0, 0} end
 end
 -- The common case costs a few reads: the model's state known, no rebuild window, nobody
 -- waiting, room for the tier. Then there is nothing to pump, and leases that expired
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
-local loads = loads_of(ARGV, 6, n)
 if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
     and (ARGV[4] == UNBOUND or redis.call('ZCARD', LEASES) < tonumber(ARGV[4])) then
-  local ep = pick(ARGV, 6, ARGV[5], loads, n)
+  local ep = pick(ARGV, 6, k)
   if ep then
     grant(id, ep, expiry)
     return ep
@@ -45,18 +49,18 @@ end
 -- @rest
 
 local rank = tonumber(ARGV[3])
-local t = words(ARGV[7 + 3 * n])
+local t = words(ARGV[6 + k])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
-local claim, ceilings, fair, spec, spec_eps = parse_spec(t, 6)
+local claim, ceilings, fair = parse_spec(t, 6)
 unqueue(id)
 expire(now, nil, #ceilings)
 lost(now, known, rebuild_ms)
-pump(now, claim, ceilings, fair, spec, spec_eps)
+pump(now, claim, ceilings, fair)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 local inflight = redis.call('ZCARD', LEASES)
 if inflight < ceilings[rank + 1] and not rebuilding() then
-  local ep = pick(ARGV, 6, ARGV[5])
+  local ep = pick(ARGV, 6, k)
   if ep then
     grant(id, ep, expiry)
     count(id, 1)

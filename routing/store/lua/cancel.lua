@@ -1,6 +1,5 @@
 -- A waiter gives up at its queue timeout. ARGV: 1 waiter_id, 2 ttl_ms, 3 fair (1|0: its tier
--- shares between accounts), 4 the spec (prelude: `parse_spec`; its endpoints are where a
--- grant is looked for).
+-- shares between accounts).
 -- Returns, if it was still queued (and is removed), the grants likely to go before it if it
 -- queued again (an integer, prelude: `turn_of`, for its Retry-After); else the endpoint it
 -- was granted meanwhile (its wake-up may still be on the way): the slot is its own now,
@@ -11,8 +10,7 @@ if place then
   unqueue(ARGV[1])
   return turn_of(ARGV[1], math.floor(tonumber(place) / RANK), ARGV[3] == '1')
 end
-local _, _, _, spec, eps = parse_spec(words(ARGV[4]))
-local ep = find_lease(ARGV[1], spec, eps)
+local ep, m = find_lease(ARGV[1])
 if not ep then return '' end
-redis.call('ZADD', LEASES, 'XX', now_ms() + tonumber(ARGV[2]), ARGV[1] .. ' ' .. ep)
+keep_found(ARGV[1], ep, m, now_ms() + tonumber(ARGV[2]))
 return ep

@@ -1,20 +1,32 @@
 -- Move a held lease off an endpoint that could not be reached, onto another with room,
 -- without giving the slot up (a release would hand it to the queue head first).
--- ARGV: 1 lease_id, 2 ttl_ms, 3 the endpoint it is on, 4.. endpoints to choose from.
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 the endpoint it is on, 4 k, 5.. k endpoints to prefer (the
+-- first of them with room; with k 0 the least loaded of the others).
 -- Returns the new endpoint, or '' when none has room (the lease stays where it was).
 local now = now_ms()
 expire(now)
-local id = ARGV[1]
-local ep = pick(ARGV, 4, 'least')
+local id, avoid, k = ARGV[1], ARGV[3], tonumber(ARGV[4])
+local ep
+if k > 0 then
+  local found = redis.call('ZMSCORE', FREE, unpack(ARGV, 5, 4 + k))
+  for i = 1, k do
+    if found[i] and ARGV[4 + i] ~= avoid then
+      ep = ARGV[4 + i]
+      break
+    end
+  end
+else
+  local two = redis.call('ZRANGE', FREE, 0, 1)
+  ep = two[1] ~= avoid and two[1] or two[2]
+end
 if not ep then return '' end
-local was = id .. ' ' .. ARGV[3]
+local was = id .. ' ' .. avoid
 local expiry = redis.call('ZSCORE', LEASES, was)
 if not expiry then
   grant(id, ep, now + tonumber(ARGV[2]))  -- Redis lost it: written back where it goes now
   count(id, 1)
   return ep
 end
-redis.call('ZREM', LEASES, was)
-redis.call('HINCRBY', EP_LOAD, ARGV[3], '-1')
+drop_lease(id, avoid)
 grant(id, ep, expiry)
 return ep

@@ -9,26 +9,36 @@
 -- leases   ZSET "lease_id url" -> expiry (ms, Redis TIME): each names its endpoint (an id
 --          or a URL holds no space), so nothing else records where a lease runs
 -- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
--- ep_of    HASH lease_id -> endpoint url, of leases written before a lease's member named
---          its endpoint (`split`): read only when such a lease expires
+-- ep_of    HASH lease_id -> endpoint url, of leases whose member is the id alone (`split`):
+--          slots the pump granted to waiters, until their replica claims them (`hold`), so
+--          that a grant whose wake-up was lost is found in O(1) (`find_lease`)
+-- eps      HASH endpoint url -> "max_concurrency penalty", of the endpoints in rotation: the
+--          endpoint index, written by a replica at start, on reload and when health changes
+--          (index.lua), never passed per call
+-- free     ZSET endpoint url -> load / max_concurrency + penalty, of the endpoints in rotation
+--          that have room: the least loaded is its head (one ZRANGE, whatever the number of
+--          endpoints), kept by `rescore` at every change of a load
 -- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
 --          holds this model's state (a replica that has seen it before and finds it gone
 --          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
 --          may be open (`rebuild`); and `~f`: 2 x the slots freed so far (releases and
 --          expiries, for Retry-After), plus 1 while someone may wait in `queue` (set when
 --          it turns empty or not, mended by every sweep): so a release counts its free and
---          learns whether to pump in one HINCRBY, and the acquire reads it with the loads.
+--          learns whether to pump in one HINCRBY, and the acquire reads it with the loads;
+--          and `~v`: the version of the endpoint index (index.lua), absent until it is written.
 -- seq      STRING queue sequence
 -- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
 --          waiters of a dead replica leave the queue within the waiter TTL
 -- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
 --          is granted until every replica has written back its own
 -- wake     the channel granted waiters are woken on
--- Fair share's keys (prelude's rest) are named the same way.
+-- Fair share's keys (prelude's rest) are named the same way. What each script costs, in O()
+-- of the endpoints (n), queue (w) and waiting accounts (a): docs/architecture.md.
 local LEASES = KEYS[1]
 local BASE = string.sub(LEASES, 1, -7)
 local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
 local QEXP = BASE .. 'qexp'
+local EPS, FREE = BASE .. 'eps', BASE .. 'free'
 -- On one Redis, acquire and release may be given an account's key after the model's (the
 -- leases alone, or on a Cluster all eight: routing/slots.py `declare_all`).
 local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
@@ -54,50 +64,57 @@ local function score(n)
   return string.format('%.0f', n)
 end
 
+-- @fn rescore
+-- Endpoint `ep` holds `load` leases now: its place in `free` follows (in while it is in
+-- rotation with room, scored by its load relative to its size plus the worker's own load
+-- signal, the penalty >= 0; out while full). One HGET and one write. Equal loads take
+-- turns: a score carries when it was set (at most 1e-6, the time within 100 s: far below
+-- one lease's weight), so the endpoint touched longest ago comes first among them.
+local touched = nil
+local function rescore(ep, load)
+  local spec = redis.call('HGET', EPS, ep)
+  if not spec then return end
+  local at = string.find(spec, ' ', 1, true)
+  local size = tonumber(string.sub(spec, 1, at - 1))
+  if load < size then
+    if not touched then
+      local t = redis.call('TIME')
+      touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
+    end
+    redis.call('ZADD', FREE, load / size + tonumber(string.sub(spec, at + 1)) + touched, ep)
+  else
+    redis.call('ZREM', FREE, ep)
+  end
+end
+
 -- @fn drop_lease
 -- Forget `id`'s lease on `ep`; 1 if it was there. Its first write (ZREM) is not `denyoom`:
 -- see `expire`.
 local function drop_lease(id, ep)
   if redis.call('ZREM', LEASES, id .. ' ' .. ep) == 0 then return 0 end
-  redis.call('HINCRBY', EP_LOAD, ep, '-1')
+  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
   return 1
 end
 
--- @fn loads_of
--- The state marker and `~f`, then the loads of the n endpoints in `src` (ARGV,
--- or a spec: `parse_spec`) at index `eps` (n, then n triples url, max_concurrency,
--- penalty): one HMGET.
-local function loads_of(src, eps, n)
-  local fields = {EP_LOAD, '~s', '~f'}
-  for i = 1, n or tonumber(src[eps]) do fields[i + 3] = src[eps + 3 * i - 2] end
-  return redis.call('HMGET', unpack(fields))
-end
-
 -- @fn pick
--- The endpoint to take of those in `src` at `eps` (see `loads_of`, whose reply `loads` is,
--- or is read here); the penalty (>= 0) is the worker's own load signal (queue, KV cache), 0
--- when not scraped. In 'first' mode the first with room (cache affinity order), else the
--- least loaded relative to its size, plus its penalty. nil when every endpoint is full.
-local function pick(src, eps, mode, loads, n)
-  n = n or tonumber(src[eps])
-  if n == 0 then return nil end
-  loads = loads or loads_of(src, eps, n)
-  local best, best_score = nil, nil
-  for i = 1, n do
-    local size, load = tonumber(src[eps + 3 * i - 1]), tonumber(loads[i + 2]) or 0
-    if load < size then
-      if mode == 'first' then return src[eps + 3 * i - 2] end
-      local s = load / size + tonumber(src[eps + 3 * i])
-      if best == nil or s < best_score then best, best_score = src[eps + 3 * i - 2], s end
+-- The endpoint to take: the first with room of the `k` preferred in `src` from index `at`
+-- (prefix-cache affinity, a few at most), else the least loaded with room (the head of
+-- `free`); nil when every endpoint in rotation is full. At most two calls, whatever the
+-- number of endpoints.
+local function pick(src, at, k)
+  if k > 0 then
+    local found = redis.call('ZMSCORE', FREE, unpack(src, at, at + k - 1))
+    for i = 1, k do
+      if found[i] then return src[at + i - 1] end
     end
   end
-  return best
+  return redis.call('ZRANGE', FREE, 0, 0)[1]
 end
 
 -- @fn grant
 local function grant(id, ep, expiry)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
-  redis.call('HINCRBY', EP_LOAD, ep, '1')
+  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
 end
 
 -- @fn take_account
@@ -149,19 +166,53 @@ local function split(m)
   return m, redis.call('HGET', EP_OF, m)
 end
 
--- The endpoint `id` holds a lease on, of the endpoints in `src` at `eps` (see `pick`), and
--- the lease's expiry; nil when none (one ZMSCORE). For ids whose endpoint the caller does
--- not know: a waiter granted meanwhile, an id whose acquire went unanswered.
-local function find_lease(id, src, eps)
-  local n = tonumber(src[eps])
-  if n == 0 then return nil end
-  local members = {}
-  for i = 1, n do members[i] = id .. ' ' .. src[eps + 3 * i - 2] end
-  local found = redis.call('ZMSCORE', LEASES, unpack(members))
-  for i = 1, n do
-    if found[i] then return src[eps + 3 * i - 2], found[i] end
+-- The lease `id` holds, for ids whose endpoint the caller does not know: its endpoint, its
+-- member of `leases` and its expiry; nil when none. A waiter's grant not yet claimed is
+-- found in O(1) (`ep_of`); a lease whose acquire went unanswered (its member names its
+-- endpoint) only by trying every endpoint that ever held a lease, O(endpoints), a rare case
+-- (a call in doubt), left out when `scan` is false.
+local function find_lease(id, scan)
+  local ep = redis.call('HGET', EP_OF, id)
+  if ep then
+    local expiry = redis.call('ZSCORE', LEASES, id)
+    if expiry then return ep, id, expiry end
+  end
+  if scan == false then return nil end
+  local urls, members = {}, {}
+  for _, field in ipairs(redis.call('HKEYS', EP_LOAD)) do
+    if string.sub(field, 1, 1) ~= '~' then
+      urls[#urls + 1] = field
+      members[#members + 1] = id .. ' ' .. field
+    end
+  end
+  for from = 1, #members, 1000 do
+    local upto = math.min(from + 999, #members)
+    local found = redis.call('ZMSCORE', LEASES, unpack(members, from, upto))
+    for i = 1, upto - from + 1 do
+      if found[i] then return urls[from + i - 1], members[from + i - 1], found[i] end
+    end
   end
   return nil
+end
+
+-- Forget a lease `find_lease` found (its member `m` on `ep`); 1 if it was there.
+local function drop_found(m, ep)
+  if redis.call('ZREM', LEASES, m) == 0 then return 0 end
+  if not string.find(m, ' ', 1, true) then redis.call('HDEL', EP_OF, m) end
+  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
+  return 1
+end
+
+-- Keep a lease `find_lease` found until `expiry`. A waiter's grant is claimed so: its member
+-- names its endpoint from then on, as every other lease's does.
+local function keep_found(id, ep, m, expiry)
+  if m ~= id then
+    redis.call('ZADD', LEASES, 'XX', expiry, m)
+    return
+  end
+  redis.call('ZREM', LEASES, id)
+  redis.call('HDEL', EP_OF, id)
+  redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
 end
 
 -- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
@@ -309,7 +360,7 @@ local function expire(now, waiting, ranks)
   for i, m in ipairs(gone) do
     local id, ep = split(m)
     redis.call('ZREM', LEASES, m)
-    if ep then redis.call('HINCRBY', EP_LOAD, ep, '-1') end
+    if ep then rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
     if id == m then redis.call('HDEL', EP_OF, id) end
     count(id, -1)
     gone[i] = id
@@ -341,14 +392,19 @@ end
 
 -- Redis lost this model's state (restart, failover) and replicas are writing back what they
 -- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
+-- Read once per script: only `open_window` sets it during one (and Redis's clock, so its
+-- expiry, stands still while a script runs).
+local rebuild_open = nil
 local function rebuilding()
-  return redis.call('EXISTS', REBUILD) == 1
+  if rebuild_open == nil then rebuild_open = redis.call('EXISTS', REBUILD) == 1 end
+  return rebuild_open
 end
 
 -- Open the rebuild window for `ms`: the state marker says so too (the common case then
 -- checks `rebuild`; the sweep sets it back once the window is over).
 local function open_window(ms)
   redis.call('SET', REBUILD, '1', 'PX', ms)
+  rebuild_open = true
   redis.call('HSET', EP_LOAD, '~s', '00')
 end
 
@@ -368,19 +424,23 @@ end
 
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
 -- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
--- replica that died goes back quickly). ceilings[rank + 1] = capacity x max_utilization;
--- the endpoints are in `src` at `eps` (see `pick`); fair[rank + 1]: whether that tier shares
--- between accounts.
-local function pump(now, claim, ceilings, fair, src, eps)
+-- replica that died goes back quickly); its member is its id alone, its endpoint in `ep_of`
+-- (`find_lease`). ceilings[rank + 1] = capacity x max_utilization; fair[rank + 1]: whether
+-- that tier shares between accounts.
+local function pump(now, claim, ceilings, fair)
   if redis.call('ZCARD', QUEUE) == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
+    -- An endpoint with room first: one read when the model is full (the common end of a
+    -- pump under load), where finding the head takes several.
+    local ep = pick(nil, 0, 0)
+    if not ep then break end
     local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
     if not id then break end
-    local ep = pick(src, eps, 'least')
-    if not ep then break end
     unqueue(id)
-    grant(id, ep, now + claim)
+    redis.call('ZADD', LEASES, now + claim, id)
+    redis.call('HSET', EP_OF, id, ep)
+    rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
     count(id, 1)
     reweigh(id, #ceilings)
     redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
@@ -389,12 +449,18 @@ local function pump(now, claim, ceilings, fair, src, eps)
   return granted
 end
 
--- A lease this replica holds: kept for `ttl` ms more, or written back if Redis lost it
--- (restart, failover). Returns 1 when it had to be written back.
+-- A lease this replica holds: kept for `ttl` ms more (a waiter's grant claimed so, see
+-- `keep_found`), or written back if Redis lost it (restart, failover). Returns 1 when it
+-- had to be written back.
 local function hold(id, ep, expiry)
   unqueue(id)
   if redis.call('ZSCORE', LEASES, id .. ' ' .. ep) then
     redis.call('ZADD', LEASES, 'XX', expiry, id .. ' ' .. ep)
+    return 0
+  end
+  local granted = redis.call('HGET', EP_OF, id)
+  if granted and redis.call('ZSCORE', LEASES, id) then
+    keep_found(id, granted, id, expiry)
     return 0
   end
   grant(id, ep, expiry)
@@ -411,10 +477,10 @@ end
 
 -- What pumping needs, in one argument read only when someone waits (an argument costs a
 -- script about 170 ns whether read or not), as words (`words`) from index `at`:
--- "claim_ms n ceiling.. fair n url max penalty..", the tiers' ceilings best first, then one
--- letter per tier, best first ('a' shares between accounts, 'f' first come first served).
--- Returns claim_ms, the ceilings, whether each tier is fair, and the words and index of the
--- endpoints for `pick`.
+-- "claim_ms n ceiling.. fair", the tiers' ceilings best first, then one letter per tier,
+-- best first ('a' shares between accounts, 'f' first come first served). The endpoints are
+-- not in it: they are in the index (`eps`, `free`). Returns claim_ms, the ceilings and
+-- whether each tier is fair.
 local function parse_spec(t, at)
   local a = (at or 1) - 1
   local n = tonumber(t[a + 2])
@@ -423,5 +489,5 @@ local function parse_spec(t, at)
     ceilings[i] = tonumber(t[a + 2 + i]) or math.huge  -- UNBOUND
     fair[i] = string.sub(t[a + 3 + n], i, i) == 'a'
   end
-  return tonumber(t[a + 1]), ceilings, fair, t, a + 4 + n
+  return tonumber(t[a + 1]), ceilings, fair
 end

@@ -6,7 +6,7 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
--- @needs drop_lease
+-- @needs rescore drop_lease
 local freed, unsure = {}, {}
 for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   local id, ep = ARGV[i], ARGV[i + 1]
@@ -23,13 +23,14 @@ if #freed > 0 then
 end
 -- @rest
 local now = now_ms()
-local claim, ceilings, fair, spec, eps = parse_spec(words(ARGV[1]))
--- An id not found where the caller said (or it did not know): a lease elsewhere (granted
--- while it waited, or moved), else a waiter still queued.
+local claim, ceilings, fair = parse_spec(words(ARGV[1]))
+-- An id not found where the caller said (or it did not know): a waiter still queued, else
+-- a lease elsewhere (granted while it waited, or moved; prelude: `find_lease`).
 local found = 0
 for _, id in ipairs(unsure) do
-  local ep = find_lease(id, spec, eps)
-  if ep and drop_lease(id, ep) == 1 then
+  local ep, m
+  if not redis.call('ZSCORE', QUEUE, id) then ep, m = find_lease(id) end
+  if ep and drop_found(m, ep) == 1 then
     freed[#freed + 1] = id
     found = found + 1
   else
@@ -44,4 +45,4 @@ for _, id in ipairs(freed) do
   reweigh(id, #ceilings)
 end
 expire(now, nil, #ceilings)
-return pump(now, claim, ceilings, fair, spec, eps)
+return pump(now, claim, ceilings, fair)

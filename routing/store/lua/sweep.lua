@@ -9,8 +9,11 @@
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
 --       rebuild_ms: how long grants pause once this sweep had to write anything back, and
 --       known (0|1: this replica has seen the model's state before).
--- Returns {{inflight, queued per tier (best first), freed so far}, written-back lease ids,
---          one entry per waiter: its granted endpoint or ''}.
+-- Returns {{inflight, queued per tier (best first), freed so far, the endpoint index's
+--          version or ''}, written-back lease ids, one entry per waiter: its granted
+--          endpoint or ''}.
+-- Its cost grows with what this replica holds and with the endpoints only while nothing is
+-- held at all (the loads' mend, below), never with the queue of other replicas.
 -- Whether a queued waiter (at `place`) is in its account's queue too.
 local function in_account_queue(id, place)
   local rank = math.floor(tonumber(place) / RANK)
@@ -20,15 +23,15 @@ end
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', QUEUE) > 0
-local claim, ceilings, fair, spec, eps = parse_spec(words(ARGV[3]))
+local claim, ceilings, fair = parse_spec(words(ARGV[3]))
 expire(now, waiting, #ceilings)
 local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local at = 4
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
-if not lost(now, ARGV[tail + 1], ARGV[tail], marker ~= false) and marker ~= STEADY
-    and not rebuilding() then
+local fresh = lost(now, ARGV[tail + 1], ARGV[tail], marker ~= false)
+if not fresh and marker ~= STEADY and not rebuilding() then
   -- The rebuild window is over: the common case may skip the check again.
   redis.call('HSET', EP_LOAD, '~s', STEADY)
 end
@@ -39,15 +42,19 @@ for i = at + 1, at + 2 * n, 2 do
 end
 at = at + 2 * n + 1
 local granted, requeued = {}, 0
+-- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
+-- looked for among the endpoints (prelude: `find_lease`), it goes back to its place.
+local scan = not fresh and #restored == 0
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
   local id = ARGV[i]
-  local ep = find_lease(id, spec, eps)
+  local place = redis.call('ZSCORE', QUEUE, id)
+  local ep, m
+  if not place then ep, m = find_lease(id, scan) end
   if ep then
-    redis.call('ZADD', LEASES, 'XX', now + ttl, id .. ' ' .. ep)
+    keep_found(id, ep, m, now + ttl)
     granted[#granted + 1] = ep
   else
     granted[#granted + 1] = ''
-    local place = redis.call('ZSCORE', QUEUE, id)
     if place and in_account_queue(id, place) then
       redis.call('ZADD', QEXP, 'XX', now + wttl, id)
     else
@@ -67,7 +74,7 @@ end
 waiting = waiting or requeued > 0
 if waiting then
   for _, id in ipairs(restored) do reweigh(id, #ceilings) end
-  pump(now, claim, ceilings, fair, spec, eps)
+  pump(now, claim, ceilings, fair)
 end
 local function queued(rank)
   if not waiting then return 0 end
@@ -84,9 +91,11 @@ if state[1] == 0 then
   for i = 1, #fields, 2 do
     if string.sub(fields[i], 1, 1) ~= '~' and fields[i + 1] ~= '0' then
       redis.call('HSET', EP_LOAD, fields[i], '0')
+      rescore(fields[i], 0)
     end
   end
 end
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
+state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
 return {state, restored, granted}

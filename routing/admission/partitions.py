@@ -1,0 +1,99 @@
+"""A model's partitions (`models.<m>.partitions: K`, docs/config.md): its endpoints split over
+K hash tags, so one hot model's admissions spread over K Redis Cluster masters.
+
+Each partition is a model of its own to the scripts (routing/admission/slots.py): its keys
+behind its own hash tag, its endpoints, its queue, its tier ceilings. An endpoint belongs to
+exactly one partition (its position in the model's list, modulo K), so no endpoint is ever
+counted in two. The first partition keeps the model's own name (`partitions: 1` is the model
+as before); the others are named so that their hash slots sit a K-th of the slot space apart
+from each other: on a Cluster whose masters each own a contiguous range (as `redis-cli
+--cluster create` splits them), K partitions land on min(K, masters) masters.
+
+A request tries its partitions in turn (routing/admission/admit.py): its preferred one first
+(by its prefix-cache key, else in rotation), then the others, taking the first slot with
+room; only the last may queue, and it is the partition whose queue was shortest for the
+request's tier at the last sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from redis.crc import key_slot
+
+from routing.admission.affinity import Ring
+from tiers.policy import Tier
+
+SLOTS = 16384
+# Names tried per partition when looking for a hash slot near its target: the closest one
+# found is within a few slots of it.
+_SEARCH = 1024
+# Partition names: a character model names never hold (routing/registry.py).
+SEPARATOR = "~"
+
+T = TypeVar("T")
+
+
+@functools.lru_cache(maxsize=1024)
+def partition_names(model: str, k: int) -> tuple[str, ...]:
+    """The names (hash tags) of `model`'s `k` partitions; the first is the model's own."""
+    if k <= 1:
+        return (model,)
+    base = key_slot(model.encode())
+    names = [model]
+    for p in range(1, k):
+        target = (base + p * SLOTS // k) % SLOTS
+        best = min(
+            range(_SEARCH),
+            key=lambda n: _distance(key_slot(f"{model}{SEPARATOR}{p}.{n}".encode()), target),
+        )
+        names.append(f"{model}{SEPARATOR}{p}.{best}")
+    return tuple(names)
+
+
+def _distance(slot: int, target: int) -> int:
+    d = abs(slot - target)
+    return min(d, SLOTS - d)
+
+
+def split(items: Sequence[T], k: int) -> list[list[T]]:
+    """`items` (the model's endpoints, in config order) dealt over `k` partitions."""
+    return [list(items[p::k]) for p in range(k)]
+
+
+class Rotation:
+    """The order in which one request tries a model's partitions."""
+
+    def __init__(self, parts: Sequence[str]) -> None:
+        self.parts = list(parts)
+        self._ring = Ring(self.parts)
+        self._next = 0
+
+    def order(
+        self,
+        cache_key: str | None,
+        may_wait: bool,
+        tier: Tier,
+        queued: Mapping[str, Mapping[Tier, int]],
+    ) -> list[tuple[str, bool]]:
+        """(partition, may it queue there) in the order to try them. `queued`: the waiters
+        per tier each partition's last sweep found."""
+        parts = self.parts
+        if len(parts) == 1:
+            return [(parts[0], may_wait)]
+        if cache_key is not None:
+            start = parts.index(self._ring.preferred(cache_key, 1)[0])
+        else:
+            start, self._next = self._next, (self._next + 1) % len(parts)
+        order = parts[start:] + parts[:start]
+        if not may_wait:
+            return [(p, False) for p in order]
+
+        def ahead(part: str) -> int:
+            seen = queued.get(part, {})
+            return sum(n for t, n in seen.items() if t.rank <= tier.rank)
+
+        last = min(order, key=ahead)  # the first of the shortest queues
+        return [(p, False) for p in order if p != last] + [(last, True)]
