@@ -49,6 +49,18 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
     _log_options(serve)
 
 
+def _endpoint_count(text: str) -> int:
+    from gateway.sim.fleet import MAX_ENDPOINTS
+
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 1 <= count <= MAX_ENDPOINTS:
+        raise argparse.ArgumentTypeError(f"from 1 to {MAX_ENDPOINTS}")
+    return count
+
+
 def _worker_count(text: str) -> int:
     try:
         count = int(text)
@@ -66,7 +78,14 @@ def _demo_options(demo: argparse.ArgumentParser) -> None:
 
 
 def _sim_options(sim: argparse.ArgumentParser) -> None:
-    sim.add_argument("--port", type=int, required=True, help="listen port")
+    sim.add_argument("--port", type=int, required=True, help="listen port (the first of them)")
+    sim.add_argument(
+        "--endpoints",
+        type=_endpoint_count,
+        default=1,
+        help="workers in this process, one per port from --port up, each with its own "
+        "slots and counters (default: %(default)s)",
+    )
     sim.add_argument("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
     sim.add_argument(
         "--models", nargs="+", default=["sim-model"], help="model names served (default: sim-model)"
@@ -254,7 +273,21 @@ def _sim(args: argparse.Namespace) -> int:
         fault=args.fault,
     )
     setup_logs()
-    sock = listen(args.host, args.port)
-    log.info("simulated worker for %s on %s:%d", ", ".join(options.models), args.host, args.port)
-    serve(build_sim_app(options), sock)
+    if args.endpoints == 1:
+        sock = listen(args.host, args.port)
+        models = ", ".join(options.models)
+        log.info("simulated worker for %s on %s:%d", models, args.host, args.port)
+        serve(build_sim_app(options), sock)
+        return 0
+    from gateway.sim.fleet import SimFleet
+
+    ports = range(args.port, args.port + args.endpoints)
+    if args.port < 1 or ports[-1] > 65535:
+        raise ListenError(f"--endpoints {args.endpoints} needs ports {args.port} to {ports[-1]}")
+    socks = [listen(args.host, port) for port in ports]
+    log.info(
+        "%d simulated workers for %s on %s:%d-%d",
+        args.endpoints, ", ".join(options.models), args.host, ports[0], ports[-1],
+    )  # fmt: skip
+    serve(SimFleet(options, ports), socks)
     return 0

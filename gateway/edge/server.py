@@ -184,15 +184,16 @@ class _DrainingServer(_ForcedStopServer):
 
 def serve(
     app: object,
-    sock: socket.socket,
+    sock: socket.socket | Sequence[socket.socket],
     *,
     grace_s: float = 30,
     on_stop: Callable[[], None] | None = None,
 ) -> None:
-    """Run one app on `sock` (from `listen`) until SIGINT/SIGTERM: then it stops accepting,
-    lets requests in flight finish for up to `grace_s`, runs the lifespan shutdown and
-    returns."""
-    _DrainingServer(server_config(app, grace_s), on_stop).run(sockets=[sock])
+    """Run one app on `sock` (from `listen`; or several sockets) until SIGINT/SIGTERM: then
+    it stops accepting, lets requests in flight finish for up to `grace_s`, runs the lifespan
+    shutdown and returns."""
+    sockets = [sock] if isinstance(sock, socket.socket) else list(sock)
+    _DrainingServer(server_config(app, grace_s), on_stop).run(sockets=sockets)
 
 
 class StartupFailed(Exception):
