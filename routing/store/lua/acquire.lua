@@ -54,7 +54,7 @@ local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4
 local claim, ceilings, fair = parse_spec(t, 6)
 unqueue(id)
 expire(now, nil, #ceilings)
-lost(now, known, rebuild_ms)
+lost(now, known, rebuild_ms, loads[1] ~= false)
 pump(now, claim, ceilings, fair)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
@@ -69,7 +69,7 @@ if inflight < ceilings[rank + 1] and not rebuilding() then
   end
 end
 local ahead = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
-local turn = turn_of(id, rank, fair[rank + 1])
+local turn = turn_of(id, rank, fair[rank + 1], ahead)
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
 if rebuilding() then

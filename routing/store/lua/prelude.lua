@@ -39,15 +39,19 @@ local BASE = string.sub(LEASES, 1, -7)
 local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
 local QEXP = BASE .. 'qexp'
 local EPS, FREE = BASE .. 'eps', BASE .. 'free'
--- On one Redis, acquire and release may be given an account's key after the model's (the
--- leases alone, or on a Cluster all eight: routing/slots.py `declare_all`).
-local ACCOUNT = KEYS[(#KEYS == 2 or #KEYS == 9) and #KEYS or 0]
+-- On one Redis, acquire and release may be given an account's key after the model's leases
+-- (on a Cluster they are given every key of the model, routing/admission/slots.py
+-- `declare_all`, and never an account's: it lives on another node).
+local ACCOUNT = KEYS[#KEYS == 2 and 2 or 0]
 -- The state marker's value when no rebuild window can be open: the common case's test.
 local STEADY = '0'
 -- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
 -- not checked (routing/slots.py `UNBOUND`).
 local UNBOUND = '-'
 local RANK = 1e15
+-- `free` was found empty and nothing was added since (`pick`, `rescore`): a later pick in the
+-- same script answers without a call (a full model's acquire picks twice).
+local full = false
 
 -- @fn now_ms
 local function now_ms()
@@ -82,6 +86,7 @@ local function rescore(ep, load)
       touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
     end
     redis.call('ZADD', FREE, load / size + tonumber(string.sub(spec, at + 1)) + touched, ep)
+    full = false
   else
     redis.call('ZREM', FREE, ep)
   end
@@ -102,13 +107,16 @@ end
 -- `free`); nil when every endpoint in rotation is full. At most two calls, whatever the
 -- number of endpoints.
 local function pick(src, at, k)
+  if full then return nil end
   if k > 0 then
     local found = redis.call('ZMSCORE', FREE, unpack(src, at, at + k - 1))
     for i = 1, k do
       if found[i] then return src[at + i - 1] end
     end
   end
-  return redis.call('ZRANGE', FREE, 0, 0)[1]
+  local ep = redis.call('ZRANGE', FREE, 0, 0)[1]
+  full = not ep
+  return ep
 end
 
 -- @fn grant
@@ -265,11 +273,13 @@ local function reindex(rank, acct, weight, old)
 end
 
 -- The account's leases changed: its entries in every tier's index follow (a no-op for an
--- account that waits nowhere). `ranks`: how many tiers.
-local function reweigh(id, ranks)
+-- account that waits nowhere). `ranks`: how many tiers; `skip`: a tier whose entry is right
+-- already (reindexed after the change).
+local function reweigh(id, ranks, skip)
   local acct, weight = account_of(id)
   for rank = 0, ranks - 1 do
-    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0, 'WITHSCORES')
+    local head = rank ~= skip and
+      redis.call('ZRANGE', account_queue(rank, acct), 0, 0, 'WITHSCORES') or {}
     if head[1] then reindex(rank, acct, weight, member(tonumber(head[2]), acct)) end
   end
 end
@@ -313,8 +323,8 @@ end
 -- or a better tier; in a `fair` tier the better tiers' waiters, its own account's waiters in
 -- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
 -- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
-local function turn_of(id, rank, fair)
-  local ahead = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
+local function turn_of(id, rank, fair, ahead)
+  ahead = ahead or redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
   if not fair then return ahead end
   local better = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score(rank * RANK))
   local acct, weight = account_of(id)
@@ -437,12 +447,15 @@ local function pump(now, claim, ceilings, fair)
     if not ep then break end
     local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
     if not id then break end
+    -- Counted first: leaving the queue reindexes its tier's entry (the head is its
+    -- account's oldest there) with the lease already counted; the other tiers follow.
+    count(id, 1)
+    local rank = math.floor(tonumber(redis.call('ZSCORE', QUEUE, id)) / RANK)
     unqueue(id)
     redis.call('ZADD', LEASES, now + claim, id)
     redis.call('HSET', EP_OF, id, ep)
     rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
-    count(id, 1)
-    reweigh(id, #ceilings)
+    reweigh(id, #ceilings, rank)
     redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
     granted = granted + 1
   end

@@ -1,0 +1,130 @@
+"""The endpoint index in Redis (routing/store/lua/index.lua, docs/architecture.md): endpoints
+added, removed and resized while leases are held, expiry, an empty Redis (the index written
+again), two replicas with different views, and calls whose size does not grow with the
+endpoints."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from routing.admission.slots import BUSY, NO_INDEX, attempt
+from routing.store.wire import text
+from tests.routing.test_slots import A, B, Model, slots
+from tiers.policy import Tier
+
+C = "http://c:8000"
+
+
+async def with_room(m: Model) -> set[str]:
+    """The endpoints the index holds as having room (`free`)."""
+    return {text(u) for u in await m.client.zrange(m.slots.keys[9], 0, -1)}
+
+
+async def in_rotation(m: Model) -> dict[str, str]:
+    raw = await m.client.hgetall(m.slots.keys[8])
+    return {text(k): text(v) for k, v in raw.items()}
+
+
+async def test_a_resize_mid_load_holds_each_endpoint_to_its_new_size(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 2), (B, 2)]))
+    held = {f"l{i}": (await m.acquire(f"l{i}")).endpoint for i in range(4)}
+    on_a = [i for i, ep in held.items() if ep == A]
+    assert len(on_a) == 2 and await with_room(m) == set()
+    m.slots.set_endpoints([(A, 1, 0.0), (B, 2, 0.0)])  # A shrinks under its two leases
+    await m.release(on_a[0])
+    assert await with_room(m) == set()  # 1 lease on a size of 1: full
+    assert (await m.acquire("n1")).status == BUSY
+    await m.release(on_a[1])
+    assert await with_room(m) == {A}
+    assert (await m.acquire("n2")).endpoint == A
+    assert (await in_rotation(m))[A].split()[0] == "1"
+
+
+async def test_an_endpoint_added_mid_load_takes_the_next_requests(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 1)]))
+    assert (await m.acquire("l1")).endpoint == A
+    assert (await m.acquire("l2")).status == BUSY
+    m.slots.set_endpoints([(A, 1, 0.0), (C, 2, 0.0)])
+    assert [(await m.acquire(f"n{i}")).endpoint for i in range(2)] == [C, C]
+    assert (await m.acquire("n3")).status == BUSY
+    assert await m.load() == {A: 1, C: 2}
+
+
+async def test_an_endpoint_removed_mid_load_takes_no_more_but_its_leases_release(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 3), (B, 3)]))
+    held = {f"l{i}": (await m.acquire(f"l{i}")).endpoint for i in range(2)}
+    assert set(held.values()) == {A, B}
+    m.slots.set_endpoints([(A, 3, 0.0)])  # B out of rotation (health)
+    assert (await m.acquire("n1")).endpoint == A
+    # B's lease still counts against the 3 left: its request may be moved onto A.
+    assert (await m.acquire("n2")).status == BUSY
+    await m.release(next(i for i, ep in held.items() if ep == B))
+    assert await m.load() == {A: 2, B: 0}
+    assert B not in await in_rotation(m) and B not in await with_room(m)
+    assert (await m.acquire("n3")).endpoint == A
+    assert (await m.acquire("n4")).status == BUSY
+
+
+async def test_a_lease_that_expires_gives_its_endpoint_room_again(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 1)]))
+    await m.acquire("l1")
+    assert await with_room(m) == set()
+    await m.expire_lease("l1")
+    await m.sweep()  # the dead holder's lease reclaimed
+    assert await with_room(m) == {A}
+    assert (await m.acquire("l2")).endpoint == A
+
+
+async def test_an_empty_redis_gets_the_index_written_again(real_redis: aioredis.Redis) -> None:
+    m = Model(real_redis, slots([(A, 1), (B, 1)]))
+    endpoint = (await m.acquire("l1")).endpoint
+    await m.sweep()
+    for key in m.slots.keys:
+        await real_redis.delete(key)
+    # This replica still thinks Redis holds its index: the acquire takes nothing and says so.
+    call = m.slots.acquire("l2", Tier.DEFAULT, may_wait=False)
+    reply = attempt(await m.scripts.call(m.store, call))
+    assert reply.status == NO_INDEX
+    assert await real_redis.zcard(m.slots.keys[0]) == 0
+    # The sweep writes back the lease it holds, finds no version and has the index rewritten.
+    found = await m.sweep([("l1", endpoint)])
+    assert found.restored == ["l1"]
+    await m.write_index()
+    assert set(await in_rotation(m)) == {A, B}
+    assert await with_room(m) == {A, B} - {endpoint}
+    assert (await m.acquire("l2")).endpoint != endpoint
+
+
+async def test_the_last_view_written_is_mended_by_the_next_sweep(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Two replicas with different views (one saw B go down): the index holds the last
+    writer's, and a sweep of the other finds another version and writes its own whole."""
+    one = Model(real_redis, slots([(A, 1), (B, 1)]))
+    other = Model(real_redis, slots([(A, 1)]))
+    await one.write_index()
+    await other.write_index()
+    assert set(await in_rotation(one)) == {A}
+    await one.sweep()  # another version than its own
+    await one.write_index()
+    assert set(await in_rotation(one)) == {A, B}
+    assert (await real_redis.hget(one.slots.keys[3], "~v")).decode() == one.slots.version
+
+
+@pytest.mark.parametrize("n", [1, 1000])
+def test_an_acquire_and_a_release_do_not_grow_with_the_endpoints(n: int) -> None:
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(n)]
+    made = slots([(u, 2) for u in urls])
+    acquire = made.acquire("l1", Tier.DEFAULT, may_wait=True, affinity=urls[:4])
+    release = made.release(["l1"], endpoint=urls[0])
+    assert len(acquire[2]) == 6 + min(n, 4)  # id, ttl, rank, ceiling, k, preferred, packed
+    assert len(release[2]) == 4  # spec, count, id, endpoint
