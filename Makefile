@@ -36,6 +36,7 @@ bench: $(STAMP) redis
 	@command -v wrk >/dev/null && command -v nginx >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null)
 	$(BIN)/python bench/overhead.py --baseline $(BENCH_BASELINE)
+	$(BIN)/python bench/fleet.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -155,7 +155,7 @@ async def by_script(
     `logged`: entries per life, the commands scripts call are logged too). None where CONFIG
     is not allowed."""
     try:
-        async with SlowLog(info, room=n * (logged + 1) + 64) as log:
+        async with SlowLog(info, room=2 * n * (logged + 1) + 64) as log:  # with room to spare
             await replay(life, n, batch, "s-")
             await noops(life[0], names["noop"], n, batch)
             entries = await log.entries()

@@ -190,8 +190,7 @@ class Admission:
         """The candidate's partitions in turn (routing/admission/partitions.py): the first
         with room admits; only the last tried may queue. Else the last one's refusal."""
         model, tier = cand.model.name, cand.tier
-        queued = {p: self.slots[p].seen_queue for p in self.rotations[model].parts}
-        order = self.rotations[model].order(walk.cache_key, cand.may_wait, tier, queued)
+        order = self.rotations[model].order(walk.cache_key, cand.may_wait, tier, self.slots)
         last: RoutingError | None = None
         for part, may_wait in order:
             if self.slots[part].capacity == 0:

@@ -24,6 +24,7 @@ from typing import TypeVar
 from redis.crc import key_slot
 
 from routing.admission.affinity import Ring
+from routing.admission.slots import ModelSlots
 from tiers.policy import Tier
 
 SLOTS = 16384
@@ -76,10 +77,10 @@ class Rotation:
         cache_key: str | None,
         may_wait: bool,
         tier: Tier,
-        queued: Mapping[str, Mapping[Tier, int]],
+        slots: Mapping[str, ModelSlots],
     ) -> list[tuple[str, bool]]:
-        """(partition, may it queue there) in the order to try them. `queued`: the waiters
-        per tier each partition's last sweep found."""
+        """(partition, may it queue there) in the order to try them. `slots`: the slots by
+        name, each with the waiters per tier its last sweep found (`seen_queue`)."""
         parts = self.parts
         if len(parts) == 1:
             return [(parts[0], may_wait)]
@@ -92,7 +93,7 @@ class Rotation:
             return [(p, False) for p in order]
 
         def ahead(part: str) -> int:
-            seen = queued.get(part, {})
+            seen = slots[part].seen_queue
             return sum(n for t, n in seen.items() if t.rank <= tier.rank)
 
         last = min(order, key=ahead)  # the first of the shortest queues

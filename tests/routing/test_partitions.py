@@ -16,6 +16,7 @@ from redis.crc import key_slot
 
 from gateway.runtime.settings import parse_config
 from routing.admission.partitions import Rotation, partition_names, split
+from routing.admission.slots import ModelSlots, Timing
 from routing.registry import ModelConfig, Registry
 from routing.store.connect import connect
 from tests.redis_cluster import RedisCluster
@@ -80,18 +81,21 @@ def test_more_partitions_than_endpoints_is_refused_naming_the_key() -> None:
 
 def test_the_order_rotates_keeps_a_cache_key_and_queues_at_the_shortest_queue() -> None:
     rotation = Rotation(PARTS)
-    firsts = [rotation.order(None, False, Tier.DEFAULT, {})[0][0] for _ in range(8)]
+    timing = Timing(1000, 1000, 1000)
+    slots = {p: ModelSlots(p, dict.fromkeys(Tier, 1.0), 10, timing) for p in PARTS}
+    firsts = [rotation.order(None, False, Tier.DEFAULT, slots)[0][0] for _ in range(8)]
     assert Counter(firsts) == {p: 2 for p in PARTS}
-    keyed = {rotation.order("conversation-7", False, Tier.DEFAULT, {})[0][0] for _ in range(5)}
+    keyed = {rotation.order("conversation-7", False, Tier.DEFAULT, slots)[0][0] for _ in range(5)}
     assert len(keyed) == 1
-    queued = {p: {Tier.PRIORITY: 0, Tier.DEFAULT: 3, Tier.FLEX: 0} for p in PARTS}
-    queued[PARTS[2]] = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 9}
-    order = rotation.order(None, True, Tier.DEFAULT, queued)
+    for p in PARTS:
+        slots[p].seen_queue = {Tier.PRIORITY: 0, Tier.DEFAULT: 3, Tier.FLEX: 0}
+    slots[PARTS[2]].seen_queue = {Tier.PRIORITY: 0, Tier.DEFAULT: 1, Tier.FLEX: 9}
+    order = rotation.order(None, True, Tier.DEFAULT, slots)
     assert sorted(p for p, _ in order) == sorted(PARTS)
     assert order[-1] == (PARTS[2], True)
     assert not any(may for _, may in order[:-1])
     # A priority request counts only priority waiters: every queue is as short.
-    assert rotation.order(None, True, Tier.PRIORITY, queued)[-1][1]
+    assert rotation.order(None, True, Tier.PRIORITY, slots)[-1][1]
 
 
 # --- admission over partitions ---------------------------------------------------------------
