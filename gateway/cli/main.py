@@ -52,22 +52,20 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
 def _endpoint_count(text: str) -> int:
     from gateway.sim.fleet import MAX_ENDPOINTS
 
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 1 <= count <= MAX_ENDPOINTS:
-        raise argparse.ArgumentTypeError(f"from 1 to {MAX_ENDPOINTS}")
-    return count
+    return _count_of(text, MAX_ENDPOINTS)
 
 
 def _worker_count(text: str) -> int:
+    return _count_of(text, MAX_WORKERS)
+
+
+def _count_of(text: str, upto: int) -> int:
     try:
         count = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 1 <= count <= MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"from 1 to {MAX_WORKERS}")
+    if not 1 <= count <= upto:
+        raise argparse.ArgumentTypeError(f"from 1 to {upto}")
     return count
 
 
