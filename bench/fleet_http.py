@@ -236,17 +236,17 @@ def _partitioned(tmp: Path, cluster: RedisCluster, requests: int) -> dict[str, A
     for client in masters.values():
         client.close()
     parts = partition_names(MODEL, k)
-    urls = list(range(fleet.base, fleet.base + n))
+    urls = [f"http://127.0.0.1:{port}" for port in range(fleet.base, fleet.base + n)]
     with cluster.client(cluster.nodes[0]) as client:
         ranges = [(int(a), int(b), int(node[1])) for a, b, node, *_ in client.cluster("SLOTS")]
-    master_of_port = {
-        port: _master(ranges, part)
-        for part, ports in zip(parts, split(urls, k), strict=True)
-        for port in ports
+    master_of_url = {
+        url: _master(ranges, part)
+        for part, mine in zip(parts, split(urls, k, str), strict=True)
+        for url in mine
     }
     share: Counter[int] = Counter()
-    for port, window in zip(urls, row.pop("windows"), strict=True):
-        share[master_of_port[port]] += served(window)
+    for url, window in zip(urls, row.pop("windows"), strict=True):
+        share[master_of_url[url]] += served(window)
     total = sum(share.values()) or 1
     return {
         **row,

@@ -101,8 +101,8 @@ class Acquire:
             self.scripts.send(self.store, calls), walk.lease_id, model,
             walk.akey if with_account else None,
         )  # fmt: skip
-        if index and isinstance(replies[0], Exception):
-            self.slots[model].rewrite()
+        if index:
+            self.slots[model].indexed(replies[0])
         replies = replies[1:] if index else replies
         # On one Redis the acquire script itself takes the account's slot (one call).
         merged = with_account and self.store.one_node
@@ -120,7 +120,7 @@ class Acquire:
             return result
         if not walk.has_account:
             if result.status in (GRANTED, QUEUED):
-                self.handback.give_back(walk.lease_id, model, None)
+                self.handback.give_back(walk.lease_id, model, None, result.endpoint)
             raise refusals.account_full(walk.account, walk.limit)
         return result
 

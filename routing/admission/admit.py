@@ -50,10 +50,10 @@ from routing.admission.waiting import Waiting
 from routing.errors import RoutingError, Unavailable, UnavailableReason
 from routing.ledger.records import store_sender
 from routing.ledger.spool import Ledger, UsageSpool
-from routing.registry import Model, Registry
+from routing.registry import EndpointConfig, Model, Registry
 from routing.store.base import Store
 from routing.store.causes import StoreErrors
-from routing.store.scripts import STORE_ERRORS, Scripts, first_error
+from routing.store.scripts import STORE_ERRORS, Scripts
 from routing.store.wire import text
 from tiers.policy import Tier, TiersConfig
 
@@ -75,6 +75,7 @@ class Admission:
     slots: dict[str, ModelSlots]
     rotations: dict[str, Rotation]
     _part_of: dict[tuple[str, str], str]
+    model_of: dict[str, str]  # every partition's model (those a reload left too)
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class Admission:
         self.holdings = Holdings()
         self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
         self.retry = RetryAfter()
-        self.slots, self.rotations, self._part_of = {}, {}, {}
+        self.slots, self.rotations, self._part_of, self.model_of = {}, {}, {}, {}
         self.apply(registry, tiers)
         self.store_errors = store_errors if store_errors is not None else StoreErrors()
         self.handback = Handback(
@@ -193,7 +194,7 @@ class Admission:
         order = self.rotations[model].order(walk.cache_key, cand.may_wait, tier, self.slots)
         last: RoutingError | None = None
         for part, may_wait in order:
-            if self.slots[part].capacity == 0:
+            if self.slots[part].capacity == 0:  # out of rotation meanwhile
                 continue
             result = await self.acquire.past_rebuild(walk, part, may_wait, tier, deadline)
             endpoint = await self._settle(walk, model, tier, result, deadline)
@@ -203,7 +204,11 @@ class Admission:
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier), None
-            last = refusals.rejection(model, tier, result, self.retry_after(model, result.turn))
+            retry = self.retry_after(model, self._model_turn(model, result.turn))
+            last = refusals.rejection(model, tier, result, retry)
+        if last is None:  # every partition went out of rotation while this one walked
+            why = f"{model!r} has no healthy endpoint."
+            last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
         return None, last
 
     async def _settle(
@@ -220,7 +225,8 @@ class Admission:
         if isinstance(outcome, str):
             return outcome
         # Timed out: its Retry-After from its turn if it came again.
-        raise refusals.queue_timeout(model, timeout, self.retry_after(model, outcome))
+        retry = self.retry_after(model, self._model_turn(model, outcome))
+        raise refusals.queue_timeout(model, timeout, retry)
 
     # --- leases --------------------------------------------------------------------------
 
@@ -245,6 +251,12 @@ class Admission:
     def retry_after(self, model: str, ahead: int) -> int:
         return self.retry.seconds(model, ahead, self.capacity(model))
 
+    def _model_turn(self, model: str, turn: int) -> int:
+        """A turn in one partition's queue as one in the model's: each partition gets about
+        its share of the model's frees (which Retry-After's rate counts)."""
+        parts = [p for p in self.rotations[model].parts if self.slots[p].capacity > 0]
+        return turn * max(1, len(parts))
+
     def capacity(self, model: str) -> int:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""
         return sum(self.slots[p].capacity for p in self.rotations[model].parts)
@@ -260,7 +272,8 @@ class Admission:
             self.rotations[model.name] = Rotation(parts)
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
         max_queue = -(-model.config.max_queue // len(parts))  # each holds its share
-        for part, endpoints in zip(parts, split(model.config.endpoints, len(parts)), strict=True):
+        dealt = split(model.config.endpoints, len(parts), _url)
+        for part, endpoints in zip(parts, dealt, strict=True):
             urls = [e.base_url for e in endpoints]
             slots = self.slots.get(part)
             if slots is None:
@@ -276,6 +289,7 @@ class Admission:
                 slots.configure(utilization, max_queue, _fair(tiers), urls)
             for url in urls:
                 self._part_of[model.name, url] = part
+            self.model_of[part] = model.name
         self.local.capacity[model.name] = self.capacity(model.name)
 
     def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
@@ -325,9 +339,15 @@ class Admission:
 
 
 def _indexed(slots: ModelSlots, sent: asyncio.Future[list[Any]]) -> None:
-    """An index write's reply: one that failed (or may have) is written whole again."""
-    if sent.cancelled() or sent.exception() is not None or first_error(sent.result()):
+    """An index write's reply: one that failed, was refused (or may have) is written whole."""
+    if sent.cancelled() or sent.exception() is not None:
         slots.rewrite()
+    else:
+        slots.indexed(sent.result()[0])
+
+
+def _url(endpoint: EndpointConfig) -> str:
+    return endpoint.base_url
 
 
 def _fair(tiers: TiersConfig) -> dict[Tier, bool]:

@@ -143,12 +143,15 @@ class Handback:
                 if not self.holdings.is_live(lease_id):
                     self.give_back(lease_id, model, account)
 
-    def give_back(self, lease_id: str, model: str | None, account: str | None) -> None:
+    def give_back(
+        self, lease_id: str, model: str | None, account: str | None, endpoint: str = ""
+    ) -> None:
         """Forget `lease_id` in Redis now: idempotent calls that leave at once. When they
-        fail, the sweeps forget it instead."""
+        fail, the sweeps forget it instead. `endpoint`: where its slot is, when known (else
+        Redis looks it up, over every endpoint for a lease a grant did not make)."""
         calls: list[Any] = []
         if model is not None:
-            calls.append(self.slots[model].release([lease_id]))
+            calls.append(self.slots[model].release([lease_id], endpoint=endpoint))
         if account is not None:
             calls.append(("ZREM", [account], [lease_id]))
         if not calls:
@@ -189,7 +192,10 @@ class Handback:
             if not isinstance(exc, NotSent):
                 self.holdings.doubt(lease_id, model, account)
         else:
-            self.give_back(lease_id, model, account)
+            # The last call's reply names the endpoint it granted, if it granted one.
+            last = work.result()[-1] if work.result() else None
+            endpoint = text(last) if isinstance(last, bytes | str) else ""
+            self.give_back(lease_id, model, account, endpoint)
 
     def _track(self, future: asyncio.Future[Any]) -> None:
         self._pending.add(future)

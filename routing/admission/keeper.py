@@ -138,8 +138,7 @@ class Keeper:
         adm = self.admission
         now = asyncio.get_running_loop().time()
         for model, reply in zip(work.indexed, replies, strict=False):
-            if isinstance(reply, Exception):
-                adm.slots[model].rewrite()
+            adm.slots[model].indexed(reply)
         replies = replies[len(work.indexed) :]
         found_parts: dict[str, ModelState] = {}
         for part, reply in zip(work.models, replies, strict=False):
@@ -155,11 +154,13 @@ class Keeper:
             for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
                 if endpoint:
                     self.wake(waiter_id, endpoint)
-        for model, rotation in adm.rotations.items():
-            if all(p in found_parts for p in rotation.parts):  # a model's parts summed
-                state = _summed([found_parts[p] for p in rotation.parts])
-                mine = sum(work.mine.get(p, 0) for p in rotation.parts)
-                adm.local.observe(model, state.inflight, mine)
+        parts: dict[str, list[str]] = {}  # each model's partitions, those a reload left too
+        for part, model in adm.model_of.items():
+            parts.setdefault(model, []).append(part)
+        for model, mine in parts.items():
+            if all(p in found_parts for p in mine):  # a model's parts summed
+                state = _summed([found_parts[p] for p in mine])
+                adm.local.observe(model, state.inflight, sum(work.mine.get(p, 0) for p in mine))
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
         at = len(work.models)

@@ -104,6 +104,8 @@ def account_key(account: str) -> str:
 _MODEL_KEYS = (
     "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
 )  # fmt: skip
+# Endpoints a sweep checks the place in `free` of, in turn (`ModelSlots._recheck`).
+RECHECK = 8
 # How many endpoints prefix-cache affinity prefers for a key (small and fixed: an acquire
 # tries these, then the least loaded).
 PREFERRED = 4
@@ -148,11 +150,14 @@ class ModelSlots:
         # The model's endpoints as configured (None: not told); see `_ceiling`.
         self.configured: frozenset[str] | None = None
         self._spec: dict[str, tuple[int, float]] = {}
-        # The index as this replica last wrote it (None: to be written whole).
+        # The index as this replica last wrote it (None: to be written whole), and its
+        # version: a change applies only over that (routing/store/lua/index.lua).
         self._written: dict[str, tuple[int, float]] | None = None
+        self._written_version = ""
         self.version = ""
         self.ring = Ring(())
         self.urls: list[str] = []
+        self._rechecked = 0
         self.configure(utilization, max_queue, fair)
 
     def configure(
@@ -193,7 +198,8 @@ class ModelSlots:
 
     def index(self) -> Call | None:
         """The endpoint index's change since this replica last wrote it (all of it when it
-        must be written whole: `rewrite`); None when there is none."""
+        must be written whole: `rewrite`); None when there is none. Its reply: 1 written, 0
+        refused (Redis holds another version: `indexed`)."""
         written, spec = self._written, self._spec
         whole = written is None
         if written is None:
@@ -203,13 +209,20 @@ class ModelSlots:
             leaving = [url for url in written if url not in spec]
             if not changed and not leaving:
                 return None
-        self._written = dict(spec)
+        base = "" if whole else self._written_version
+        self._written, self._written_version = dict(spec), self.version
         t = self._timing
-        args: list[Any] = [self.version, int(whole), int(self.known), t.rebuild_ms, len(changed)]
+        args: list[Any] = [self.version, base, int(self.known), t.rebuild_ms, len(changed)]
         for url in changed:
             args += (url, *spec[url])
         args += (len(leaving), *leaving)
         return ("index", self._key, args)
+
+    def indexed(self, reply: Any) -> None:
+        """An index write's reply (or its error): one that failed or was refused, or may
+        have, is written whole next time."""
+        if isinstance(reply, BaseException) or reply != 1:
+            self.rewrite()
 
     def rewrite(self) -> None:
         """Write the index whole with the next `index` call: Redis has none or another
@@ -289,7 +302,20 @@ class ModelSlots:
         for waiter_id, place in waiters:
             args += (waiter_id, place)
         args += (t.rebuild_ms, int(self.known))
+        recheck = self._recheck()
+        args += (len(recheck), *recheck)
         return ("sweep", self._key, args)
+
+    def _recheck(self) -> list[str]:
+        """The next few endpoints (RECHECK, in turn) whose place in `free` a sweep sets
+        again from their own count: whatever it missed (a rolling update's older replicas)
+        is mended within len(urls) / RECHECK sweeps, at a constant cost per sweep."""
+        urls = self.urls
+        if not urls:
+            return []
+        start = self._rechecked % len(urls)
+        self._rechecked = start + RECHECK
+        return [urls[(start + i) % len(urls)] for i in range(min(RECHECK, len(urls)))]
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:
         """Move a held lease off `avoid` onto another endpoint with room: the first of

@@ -1,5 +1,5 @@
 """One model split over partitions (`partitions: 4`) seen from outside: two gateway replicas,
-eight simulated workers in one process (`gateway sim --endpoints 8`), the official openai SDK,
+32 simulated workers in one process (`gateway sim --endpoints 32`), the official openai SDK,
 on the run's Redis and on its 3-master Redis Cluster. More requests at once than slots: every
 one is served, no worker ever runs more than its slot (its own counters), each admission has
 one usage record, nothing is left in Redis, and on the Cluster every master serves a share.
@@ -28,8 +28,9 @@ from tests.redis_cluster import RedisCluster
 
 KEY = "sk-part-acme"
 ACCOUNT = "part-acme"
-N, K = 8, 4
-REQUESTS, AT_ONCE = 48, 24
+# Enough endpoints that the hash leaves no partition empty (4 x (3/4)^32: 4e-4).
+N, K = 32, 4
+REQUESTS, AT_ONCE = 96, 48
 
 
 @dataclass
@@ -165,11 +166,11 @@ def test_more_requests_than_slots_are_all_served_within_every_workers_slot(
     assert {r["served_model"] for r in records} == {"wide"}
     if parted.cluster is not None:
         # The partitions' masters: every master of the three serves a share of the model.
-        ports = range(parted.base, parted.base + N)
-        masters = {}
-        for part, mine in zip(partition_names("wide", K), split(list(ports), K), strict=True):
+        urls = [f"http://127.0.0.1:{parted.base + i}" for i in range(N)]
+        masters: dict[int, int] = {}
+        for part, mine in zip(partition_names("wide", K), split(urls, K, str), strict=True):
             node = parted.cluster.node_of("{" + part + "}").port
-            masters[node] = masters.get(node, 0) + sum(served[p - parted.base] for p in mine)
+            masters[node] = masters.get(node, 0) + sum(served[urls.index(u)] for u in mine)
         assert len(masters) == 3 and all(masters.values()), masters
 
 

@@ -104,6 +104,26 @@ async def test_an_empty_redis_gets_the_index_written_again(real_redis: aioredis.
     assert (await m.acquire("l2")).endpoint != endpoint
 
 
+async def test_a_change_is_never_written_over_an_index_it_was_not_made_for(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Redis restarted empty, then a penalty changed: the change alone must not become the
+    index (it would carry the whole's version and nothing would write the rest again)."""
+    m = Model(real_redis, slots([(A, 1), (B, 1), (C, 1)]))
+    await m.write_index()
+    for key in m.slots.keys:
+        await real_redis.delete(key)
+    m.slots.set_endpoints([(A, 1, 0.5), (B, 1, 0.0), (C, 1, 0.0)])
+    change = m.slots.index()
+    assert change is not None and change[2][1] != ""  # a change, not the whole
+    reply = await m.scripts.call(m.store, change)
+    assert reply == 0 and await in_rotation(m) == {}
+    m.slots.indexed(reply)
+    await m.write_index()
+    assert set(await in_rotation(m)) == {A, B, C}
+    assert (await in_rotation(m))[A] == "1 0.5"
+
+
 async def test_the_last_view_written_is_mended_by_the_next_sweep(
     real_redis: aioredis.Redis,
 ) -> None:
@@ -128,3 +148,24 @@ def test_an_acquire_and_a_release_do_not_grow_with_the_endpoints(n: int) -> None
     release = made.release(["l1"], endpoint=urls[0])
     assert len(acquire[2]) == 6 + min(n, 4)  # id, ttl, rank, ceiling, k, preferred, packed
     assert len(release[2]) == 4  # spec, count, id, endpoint
+
+
+async def test_an_older_replica_filling_an_endpoint_unseen_by_free_is_not_overfilled(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A rolling update: a replica of the release before counts its leases in `ep_load`
+    but never touches `free`. A grant checks the endpoint's own count, so A is not given
+    past its size; A leaves `free`, and once the older replica's lease ends (its release
+    leaves `free` as it is) a sweep puts A back."""
+    m = Model(real_redis, slots([(A, 1), (B, 1)]))
+    await m.write_index()
+    await real_redis.hincrby(m.slots.keys[3], A, 1)  # the older replica's lease on A
+    first = await m.acquire("l1", affinity=[A])
+    assert first.endpoint == B
+    assert (await m.acquire("l2", affinity=[A])).status == BUSY
+    assert await m.load() == {A: 1, B: 1}
+    await real_redis.hincrby(m.slots.keys[3], A, -1)  # its release: `free` not told
+    assert A not in await with_room(m)
+    await m.sweep()
+    assert A in await with_room(m)
+    assert (await m.acquire("l3")).endpoint == A

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from redis.crc import key_slot
 
 from gateway.runtime.settings import parse_config
-from routing.admission.partitions import Rotation, partition_names, split
+from routing.admission.partitions import Rotation, partition_names, partition_of, split
 from routing.admission.slots import ModelSlots, Timing
 from routing.registry import ModelConfig, Registry
 from routing.store.connect import connect
@@ -30,7 +30,22 @@ from tests.routing.test_admission import (
 )
 from tiers.policy import Tier
 
-WIDE = [f"http://wide-{i}:8000" for i in range(8)]
+
+def dealt_evenly(k: int, per: int) -> list[str]:
+    """Endpoint URLs whose partitions (a hash of the URL) come out `per` to each of `k`,
+    listed so that the i-th is in partition i % k."""
+    found: list[list[str]] = [[] for _ in range(k)]
+    for i in range(10_000):
+        url = f"http://wide-{i}:8000"
+        mine = found[partition_of(url, k)]
+        if len(mine) < per:
+            mine.append(url)
+        if all(len(f) == per for f in found):
+            return [found[p][j] for j in range(per) for p in range(k)]
+    raise AssertionError("no even split found")
+
+
+WIDE = dealt_evenly(4, 2)
 CONFIG = f"""
 tiers:
   priority: {{queue_timeout_s: 5}}
@@ -66,10 +81,16 @@ def test_partitions_land_on_every_master_of_a_three_master_cluster(model: str) -
     assert partition_names(model, 1) == (model,)
 
 
-def test_every_endpoint_is_in_exactly_one_partition() -> None:
-    dealt = split(WIDE[:7], 3)
-    assert [len(p) for p in dealt] == [3, 2, 2]
-    assert sorted(u for p in dealt for u in p) == sorted(WIDE[:7])
+def test_every_endpoint_is_in_exactly_one_partition_and_stays_there() -> None:
+    urls = [f"http://10.0.0.{i}:8000" for i in range(200)]
+    dealt = split(urls, 4, str)
+    assert sorted(u for p in dealt for u in p) == sorted(urls)
+    assert all(30 <= len(p) <= 70 for p in dealt), [len(p) for p in dealt]
+    # Endpoints that come or go move no other one.
+    fewer = split([*urls[50:], "http://10.0.1.1:8000"], 4, str)
+    for before, after in zip(dealt, fewer, strict=True):
+        assert set(before) - set(urls[:50]) <= set(after)
+    assert split(urls, 1, str) == [urls]
 
 
 def test_more_partitions_than_endpoints_is_refused_naming_the_key() -> None:
@@ -83,6 +104,8 @@ def test_the_order_rotates_keeps_a_cache_key_and_queues_at_the_shortest_queue() 
     rotation = Rotation(PARTS)
     timing = Timing(1000, 1000, 1000)
     slots = {p: ModelSlots(p, dict.fromkeys(Tier, 1.0), 10, timing) for p in PARTS}
+    for p in PARTS:
+        slots[p].set_endpoints([(f"http://{p}:8000", 1, 0.0)])
     firsts = [rotation.order(None, False, Tier.DEFAULT, slots)[0][0] for _ in range(8)]
     assert Counter(firsts) == {p: 2 for p in PARTS}
     keyed = {rotation.order("conversation-7", False, Tier.DEFAULT, slots)[0][0] for _ in range(5)}
@@ -214,11 +237,37 @@ async def test_a_reload_to_fewer_partitions_drains_the_old_ones(wide: Fleet) -> 
     adm.set_endpoints("wide", [(u, 1, 0.0) for u in WIDE])  # health's view, as after a reload
     now = partition_names("wide", 2)
     assert now[0] == "wide" and adm.capacity("wide") == 8
-    assert [adm.slots[p].capacity for p in now] == [4, 4]
+    sizes = Counter(partition_of(u, 2) for u in WIDE)
+    assert [adm.slots[p].capacity for p in now] == [sizes[0], sizes[1]]
     assert all(adm.slots[p].capacity == 0 for p in set(PARTS) - set(now))
     after = [(await admit(adm, wide.plan("wide"))).lease for _ in range(4)]
     assert {lease.keys for lease in after} <= set(now)
     await release_all(adm, before + after)
     for part in {*PARTS, *now}:
         assert await wide.redis.zcard("gw:{" + part + "}:leases") == 0, part
+    await wide.assert_clean()
+
+
+async def test_a_partition_with_no_endpoint_in_rotation_is_never_where_one_waits(
+    wide: Fleet,
+) -> None:
+    adm = await wide.admission()
+    await wide.keeper(adm)
+    queued = watch_queued(adm)
+    dead = {u for u in WIDE if partition_of(u, 4) == 1}
+    adm.set_endpoints("wide", [(u, 1, 0.0) for u in WIDE if u not in dead])
+    held = [(await admit(adm, wide.plan("wide"))).lease for _ in range(6)]
+    assert all(lease.keys != PARTS[1] for lease in held)
+    # Its queue looks the shortest (empty), but nobody could be served there.
+    order = adm.rotations["wide"].order(None, True, Tier.DEFAULT, adm.slots)
+    assert PARTS[1] not in {p for p, _ in order} and order[-1][1]
+    waiter = asyncio.create_task(admit(adm, wide.plan("wide")))
+    await bounded(queued.get())
+    depth = await in_parts(wide, "queue")
+    assert depth[PARTS[1]] == 0 and sum(depth.values()) == 1
+    there = next(p for p, n in depth.items() if n)
+    freed = next(lease for lease in held if lease.keys == there)
+    await bounded(adm.release(freed))
+    served = (await bounded(waiter)).lease
+    await release_all(adm, [lease for lease in held if lease is not freed] + [served])
     await wide.assert_clean()

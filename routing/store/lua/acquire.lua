@@ -16,7 +16,7 @@
 -- or Redis lost it: nothing was taken, the replica writes it with index.lua and asks
 -- again); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
 -- the rebuild window when that is why it is busy, else 0.
--- @needs now_ms take_account rescore pick grant
+-- @needs now_ms take_account rescore take_slot pick seat
 local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[5])
 local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
@@ -40,11 +40,8 @@ end
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
 if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
     and (ARGV[4] == UNBOUND or redis.call('ZCARD', LEASES) < tonumber(ARGV[4])) then
-  local ep = pick(ARGV, 6, k)
-  if ep then
-    grant(id, ep, expiry)
-    return ep
-  end
+  local ep = seat(id, expiry, ARGV, 6, k)
+  if ep then return ep end
 end
 -- @rest
 
@@ -60,9 +57,8 @@ pump(now, claim, ceilings, fair)
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 local inflight = redis.call('ZCARD', LEASES)
 if inflight < ceilings[rank + 1] and not rebuilding() then
-  local ep = pick(ARGV, 6, k)
+  local ep = seat(id, expiry, ARGV, 6, k)
   if ep then
-    grant(id, ep, expiry)
     count(id, 1)
     reweigh(id, #ceilings)
     return ep

@@ -4,11 +4,16 @@
 -- another version than its own (another replica wrote another view, or a failover lost a
 -- write: the last writer's view stands, the next sweep of each replica sets its own again).
 -- KEYS: 1 the model's leases (prelude).
--- ARGV: 1 version, 2 whole (1: the endpoints given are all those in rotation, any other
---       leaves the index; 0: only a change), 3 known, 4 rebuild_ms (prelude: `lost`), 5 n,
---       then n triples url, max_concurrency, penalty, then m and m urls that leave.
+-- ARGV: 1 version, 2 base: '' when the endpoints given are all those in rotation (any other
+--       leaves the index), else the version the change applies to (the writer's last
+--       write), 3 known, 4 rebuild_ms (prelude: `lost`), 5 n, then n triples url,
+--       max_concurrency, penalty, then m and m urls that leave.
 -- O(n + m), and O(endpoints in the index) when whole: run on a change, never per request.
--- Returns 1.
+-- Returns 1; 0 when a change finds another version than its base (Redis lost the index,
+-- or another replica wrote its own view since): nothing is written, the replica writes
+-- its view whole instead. A change applied over another index would label a part as the
+-- whole, and nothing would ever write it whole again.
+if ARGV[2] ~= '' and redis.call('HGET', EP_LOAD, '~v') ~= ARGV[2] then return 0 end
 local now = now_ms()
 lost(now, ARGV[3], ARGV[4])
 local n = tonumber(ARGV[5])
@@ -19,7 +24,7 @@ for i = 6, 5 + 3 * n, 3 do
   spec[#spec + 1] = ARGV[i + 1] .. ' ' .. ARGV[i + 2]
 end
 local leave = {}
-if ARGV[2] == '1' then
+if ARGV[2] == '' then
   for _, url in ipairs(redis.call('HKEYS', EPS)) do
     if not given[url] then leave[#leave + 1] = url end
   end

@@ -27,6 +27,7 @@ if not expiry then
   count(id, 1)
   return ep
 end
+if not take_slot(ep) then return '' end  -- `free` had it wrong (a rolling update)
 drop_lease(id, avoid)
-grant(id, ep, expiry)
+redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
 return ep

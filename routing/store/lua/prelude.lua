@@ -74,10 +74,11 @@ end
 -- signal, the penalty >= 0; out while full). One HGET and one write. Equal loads take
 -- turns: a score carries when it was set (at most 1e-6, the time within 100 s: far below
 -- one lease's weight), so the endpoint touched longest ago comes first among them.
+-- `spec`: its entry in `eps`, when the caller read it. Returns its size (nil: not in rotation).
 local touched = nil
-local function rescore(ep, load)
-  local spec = redis.call('HGET', EPS, ep)
-  if not spec then return end
+local function rescore(ep, load, spec)
+  spec = spec or redis.call('HGET', EPS, ep)
+  if not spec then return nil end
   local at = string.find(spec, ' ', 1, true)
   local size = tonumber(string.sub(spec, 1, at - 1))
   if load < size then
@@ -90,6 +91,24 @@ local function rescore(ep, load)
   else
     redis.call('ZREM', FREE, ep)
   end
+  return size
+end
+
+-- @fn take_slot
+-- One more lease counted on `ep` if it has room by its own count (`ep_load`, which every
+-- release of the gateway keeps, where `free` is this one's: during a rolling update a
+-- replica of the release before fills endpoints without telling `free`): true; else
+-- nothing is taken, `ep` leaves `free`, false. As many calls as counting the lease.
+local function take_slot(ep)
+  local spec = redis.call('HGET', EPS, ep)
+  if not spec then
+    redis.call('ZREM', FREE, ep)
+    return false
+  end
+  local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
+  if load <= rescore(ep, load, spec) then return true end
+  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'), spec)
+  return false
 end
 
 -- @fn drop_lease
@@ -120,9 +139,28 @@ local function pick(src, at, k)
 end
 
 -- @fn grant
+-- A lease of `id` on `ep` until `expiry`, counted whatever the load (a lease written back:
+-- its request runs there).
 local function grant(id, ep, expiry)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
   rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
+end
+
+-- @fn seat
+-- A new lease of `id` until `expiry` on the endpoint `pick` finds with room (from `src` at
+-- `at`, `k` preferred): the endpoint, or nil when none has room (an endpoint `free` had
+-- wrong is dropped from it on the way: `take_slot`).
+local function seat(id, expiry, src, at, k)
+  for _ = 1, 8 do
+    local ep = pick(src, at, k)
+    if not ep then return nil end
+    -- The lease first: a script that fails there (a key of another type) wrote nothing.
+    local m = id .. ' ' .. ep
+    redis.call('ZADD', LEASES, expiry, m)
+    if take_slot(ep) then return ep end
+    redis.call('ZREM', LEASES, m)
+  end
+  return nil
 end
 
 -- @fn take_account
@@ -447,17 +485,18 @@ local function pump(now, claim, ceilings, fair)
     if not ep then break end
     local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
     if not id then break end
-    -- Counted first: leaving the queue reindexes its tier's entry (the head is its
-    -- account's oldest there) with the lease already counted; the other tiers follow.
-    count(id, 1)
-    local rank = math.floor(tonumber(redis.call('ZSCORE', QUEUE, id)) / RANK)
-    unqueue(id)
-    redis.call('ZADD', LEASES, now + claim, id)
-    redis.call('HSET', EP_OF, id, ep)
-    rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
-    reweigh(id, #ceilings, rank)
-    redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
-    granted = granted + 1
+    if take_slot(ep) then  -- else `free` had it wrong: it left, the next is tried
+      -- Counted first: leaving the queue reindexes its tier's entry (the head is its
+      -- account's oldest there) with the lease already counted; the other tiers follow.
+      count(id, 1)
+      local rank = math.floor(tonumber(redis.call('ZSCORE', QUEUE, id)) / RANK)
+      unqueue(id)
+      redis.call('ZADD', LEASES, now + claim, id)
+      redis.call('HSET', EP_OF, id, ep)
+      reweigh(id, #ceilings, rank)
+      redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
+      granted = granted + 1
+    end
   end
   return granted
 end

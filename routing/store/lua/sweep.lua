@@ -7,8 +7,10 @@
 -- KEYS: 1 the model's leases (prelude). ARGV: 1 ttl_ms, 2 waiter_ttl_ms, 3 the spec (prelude:
 --       `parse_spec`),
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
---       rebuild_ms: how long grants pause once this sweep had to write anything back, and
---       known (0|1: this replica has seen the model's state before).
+--       rebuild_ms: how long grants pause once this sweep had to write anything back,
+--       known (0|1: this replica has seen the model's state before), then r and r endpoint
+--       urls whose place in `free` is set again from their count (a few per sweep, in turn:
+--       mends what a replica of an older release changed without `free`, a rolling update).
 -- Returns {{inflight, queued per tier (best first), freed so far, the endpoint index's
 --          version or ''}, written-back lease ids, one entry per waiter: its granted
 --          endpoint or ''}.
@@ -94,6 +96,10 @@ if state[1] == 0 then
       rescore(fields[i], 0)
     end
   end
+end
+local recheck = tail + 2
+for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
+  rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
 end
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
