@@ -100,11 +100,25 @@ def _sim_options(sim: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--tokens", type=int, default=16, help="natural answer length in tokens (default: 16)"
     )
+    _sim_cache_options(sim)
     sim.add_argument(
         "--fault",
         choices=["hang", "error500", "die_mid_stream"],
         default=None,
         help="misbehave from the start: never answer, answer 500, or cut streams short",
+    )
+
+
+def _sim_cache_options(sim: argparse.ArgumentParser) -> None:
+    sim.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="the KV cache in tokens, in whole blocks: a request runs while the running "
+        "ones' prompts and answers fit (default: no cache limit, only --max-seqs)",
+    )
+    sim.add_argument(
+        "--block-size", type=int, default=16, help="KV cache block in tokens (default: 16)"
     )
 
 
@@ -269,13 +283,20 @@ def _sim(args: argparse.Namespace) -> int:
         itl_ms=args.itl_ms,
         tokens=args.tokens,
         fault=args.fault,
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
     )
+    try:
+        app = build_sim_app(options)  # checks the options
+    except ValueError as exc:
+        print(f"gateway sim: {exc}", file=sys.stderr)
+        return 2
     setup_logs()
     if args.endpoints == 1:
         sock = listen(args.host, args.port)
         models = ", ".join(options.models)
         log.info("simulated worker for %s on %s:%d", models, args.host, args.port)
-        serve(build_sim_app(options), sock)
+        serve(app, sock)
         return 0
     from gateway.sim.fleet import SimFleet
 

@@ -64,6 +64,19 @@ class SimOptions:
     itl_ms: float = 10.0  # delay between tokens
     tokens: int = 16  # natural answer length in tokens when max_tokens allows
     fault: str | None = None  # one of FAULTS; also settable at run time via POST /sim/fault
+    # The KV cache in tokens (None: unbounded, only max_seqs counts), in whole blocks of
+    # block_size tokens: what vLLM's `vllm:cache_config_info` reports (num_gpu_blocks).
+    kv_tokens: int | None = None
+    block_size: int = 16
+
+    @property
+    def kv_blocks(self) -> int | None:
+        return None if self.kv_tokens is None else self.kv_tokens // self.block_size
+
+    @property
+    def kv_budget(self) -> int | None:
+        blocks = self.kv_blocks
+        return None if blocks is None else blocks * self.block_size
 
 
 class SimulatedCrash(RuntimeError):
@@ -78,16 +91,22 @@ def build_sim_app(options: SimOptions) -> ASGIApp:
 class _Metrics:
     """vLLM's metric names, on a registry of this app's own."""
 
-    def __init__(self, models: tuple[str, ...], slots: Slots) -> None:
+    def __init__(self, options: SimOptions, slots: Slots) -> None:
+        models = options.models
         self.registry = CollectorRegistry()
+        budget = slots.budget
+        usage = (lambda: slots.tokens / budget) if budget else (lambda: slots.running / slots.size)
         gauges: tuple[tuple[str, str, Callable[[], float]], ...] = (
             ("vllm:num_requests_running", "Requests generating now.", lambda: slots.running),
             ("vllm:num_requests_waiting", "Requests waiting for a slot.", lambda: slots.waiting),
             (
                 "vllm:kv_cache_usage_perc",
-                "KV-cache usage, simulated as running / max_seqs. 1 means 100 percent.",
-                lambda: slots.running / slots.size,
+                "KV-cache usage: tokens of the running requests / the cache (without one, "
+                "running / max_seqs). 1 means 100 percent.",
+                usage,
             ),
+            ("sim:peak_tokens_running", "Most tokens ever held by running requests.",
+             lambda: slots.peak_tokens),
             ("sim:peak_requests_running", "Most requests ever running at once.",
              lambda: slots.peak_running),
             ("sim:peak_requests_waiting", "Most requests ever waiting at once.",
@@ -96,6 +115,10 @@ class _Metrics:
         for name, doc, read in gauges:
             gauge = Gauge(name, doc, ["model_name"], registry=self.registry)
             gauge.labels(models[0]).set_function(read)
+        if options.kv_blocks is not None:  # as vLLM: its cache's shape in labels, value 1
+            info = Gauge("vllm:cache_config_info", "Information of the KV cache config.",
+                         ["block_size", "num_gpu_blocks"], registry=self.registry)  # fmt: skip
+            info.labels(str(options.block_size), str(options.kv_blocks)).set(1)
         success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason (abort: the client went away).",
@@ -118,8 +141,8 @@ class SimApp:
         _check(options)
         self.options = options
         self.fault = options.fault
-        self.slots = Slots(options.max_seqs)
-        self.metrics = _Metrics(options.models, self.slots)
+        self.slots = Slots(options.max_seqs, options.kv_budget)
+        self.metrics = _Metrics(options, self.slots)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         # [x-request-id, start, end (time.monotonic of this host), aborted] per ended request.
         self.spans: deque[list[Any]] = deque(maxlen=SPANS_KEPT)
@@ -196,6 +219,13 @@ class SimApp:
             return
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         reply = Reply(job, make_plan(job, self.options.tokens), rid, int(time.time()))
+        if not self.slots.fits_ever(_kv_tokens(reply)):
+            message = (
+                f"This request needs {_kv_tokens(reply)} tokens of KV cache (its prompt and "
+                f"its answer) and the cache holds {self.slots.budget}."
+            )
+            await send_json(send, 400, error_body(400, "BadRequestError", message))
+            return
         span = Span(headers.get("x-request-id", "")[:200], self._ended)
         try:
             reason = await self._answer(reply, receive, send, span, die=fault == "die_mid_stream")
@@ -224,13 +254,14 @@ class SimApp:
         if reply.job.stream:
             # Headers go out before the slot is granted, as with vLLM's streaming responses.
             await send(response_start(200, b"text/event-stream; charset=utf-8"))
-        if self._instant and self.slots.try_acquire():
+        tokens = _kv_tokens(reply)
+        if self._instant and self.slots.try_acquire(tokens):
             # Nothing to wait for, so no disconnect watcher: the cheap path for benchmarks.
             with span:
                 try:
                     await self._emit(reply, send, die)
                 finally:
-                    self.slots.release()
+                    self.slots.release(tokens)
             return reply.plan.finish_reason
         work = asyncio.ensure_future(self._emit_in_slot(reply, send, span, die))
         if await finished_unless_gone(work, receive):
@@ -239,12 +270,13 @@ class SimApp:
 
     async def _emit_in_slot(self, reply: Reply, send: Send, span: Span, die: bool) -> None:
         # The span ends the moment the slot (or the place in line) is given up.
+        tokens = _kv_tokens(reply)
         with span:
-            await self.slots.acquire()
+            await self.slots.acquire(tokens)
             try:
                 await self._emit(reply, send, die)
             finally:
-                self.slots.release()
+                self.slots.release(tokens)
 
     def _ended(self, span: list[Any]) -> None:
         if len(self.spans) == SPANS_KEPT:
@@ -306,7 +338,7 @@ class SimApp:
         await send_json(send, 200, {"requests": []})
 
     async def _peak(self, scope: Scope, receive: Receive, send: Send) -> None:
-        running, waiting, inflight = self.slots.take_window()
+        running, waiting, inflight, tokens = self.slots.take_window()
         spans, dropped = list(self.spans), self.spans_dropped
         self.spans.clear()
         self.spans_dropped = 0
@@ -316,6 +348,9 @@ class SimApp:
             "peak_running": running,
             "peak_waiting": waiting,
             "peak_inflight": inflight,
+            "tokens": self.slots.tokens,
+            "peak_tokens": tokens,
+            "kv_budget": self.slots.budget,
             "spans": spans,
             "spans_dropped": dropped,
         }
@@ -340,6 +375,11 @@ class SimApp:
         await send_json(send, 200, {"fault": fault})
 
 
+def _kv_tokens(reply: Reply) -> int:
+    """What a request holds of the KV cache by its end: its prompt and its answer."""
+    return reply.job.prompt_tokens + reply.plan.completion_tokens
+
+
 def _check(options: SimOptions) -> None:
     if not options.models:
         raise ValueError("the simulator needs at least one model name")
@@ -347,5 +387,9 @@ def _check(options: SimOptions) -> None:
         raise ValueError("max_seqs must be at least 1")
     if options.tokens < 0 or options.ttft_ms < 0 or options.itl_ms < 0:
         raise ValueError("tokens, ttft_ms and itl_ms must not be negative")
+    if options.block_size < 1:
+        raise ValueError("block_size must be at least 1")
+    if options.kv_tokens is not None and options.kv_tokens < options.block_size:
+        raise ValueError("kv_tokens must hold at least one block (block_size tokens)")
     if options.fault is not None and options.fault not in FAULTS:
         raise ValueError(f"fault must be one of {sorted(FAULTS)}, not {options.fault!r}")

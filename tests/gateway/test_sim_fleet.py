@@ -60,7 +60,8 @@ def test_the_fleet_size_is_bounded() -> None:
 @pytest.mark.parametrize(
     ("args", "says"),
     [(["--endpoints", "0"], "from 1 to"), (["--endpoints", "x"], "not a number"),
-     (["--port", "65535", "--endpoints", "2"], "needs ports 65535 to 65536")],
+     (["--port", "65535", "--endpoints", "2"], "needs ports 65535 to 65536"),
+     (["--kv-tokens", "8"], "at least one block"), (["--max-seqs", "0"], "at least 1")],
 )  # fmt: skip
 def test_the_cli_refuses_a_fleet_it_cannot_serve(args: list[str], says: str) -> None:
     argv = [sys.executable, "-m", "gateway", "sim", "--port", "1", *args]
