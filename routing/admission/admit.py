@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,8 @@ from routing.store.wire import text
 from tiers.policy import Tier, TiersConfig
 
 __all__ = ["STORE_ERRORS", "Admission", "Admitted", "Lease"]
+
+log = logging.getLogger("gateway.admission")
 
 
 # Not frozen, treated as immutable: a frozen dataclass's __init__ costs 3.5 times as much
@@ -271,8 +274,8 @@ class Admission:
         if rotation is None or rotation.parts != list(parts):
             self.rotations[model.name] = Rotation(parts)
         utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        max_queue = -(-model.config.max_queue // len(parts))  # each holds its share
         dealt = split(model.config.endpoints, len(parts), _url)
+        max_queue = _queue_share(model, dealt)
         for part, endpoints in zip(parts, dealt, strict=True):
             urls = [e.base_url for e in endpoints]
             slots = self.slots.get(part)
@@ -344,6 +347,19 @@ def _indexed(slots: ModelSlots, sent: asyncio.Future[list[Any]]) -> None:
         slots.rewrite()
     else:
         slots.indexed(sent.result()[0])
+
+
+def _queue_share(model: Model, dealt: Sequence[Sequence[EndpointConfig]]) -> int:
+    """What each partition with endpoints may queue (only those queue): its share of the
+    model's `max_queue`. A partition the hash left empty is said in the log."""
+    filled = sum(1 for d in dealt if d)
+    if filled < len(dealt):
+        log.warning(
+            "model %r: %d of its %d partitions got no endpoint (an endpoint's partition is "
+            "a hash of its URL): fewer partitions, or more endpoints, spread it better",
+            model.name[:256], len(dealt) - filled, len(dealt),
+        )  # fmt: skip
+    return -(-model.config.max_queue // max(filled, 1))
 
 
 def _url(endpoint: EndpointConfig) -> str:

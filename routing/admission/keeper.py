@@ -102,7 +102,12 @@ class Keeper:
 
     async def sweep_once(self) -> None:
         work = self._round()
-        replies = await self.admission.scripts.send(self.admission.store, work.calls)
+        try:
+            replies = await self.admission.scripts.send(self.admission.store, work.calls)
+        except BaseException:
+            for model in work.indexed:  # its index writes may not have landed
+                self.admission.slots[model].rewrite()
+            raise
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import BUSY, NO_INDEX, attempt
+from routing.admission.slots import BUSY, NO_INDEX, QUEUED, RANK, attempt
 from routing.store.wire import text
 from tests.routing.test_slots import A, B, Model, slots
 from tiers.policy import Tier
@@ -169,3 +169,29 @@ async def test_an_older_replica_filling_an_endpoint_unseen_by_free_is_not_overfi
     await m.sweep()
     assert A in await with_room(m)
     assert (await m.acquire("l3")).endpoint == A
+
+
+async def test_a_move_past_an_endpoint_free_had_wrong_takes_the_next(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 1), (B, 1), (C, 1)]))
+    assert (await m.acquire("l1", affinity=[C])).endpoint == C
+    await real_redis.hincrby(m.slots.keys[3], A, 1)  # an older replica's lease on A
+    moved = text(await m.run(m.slots.move("l1", C, [A, B])))
+    assert moved == B
+    assert await m.load() == {A: 1, B: 1, C: 0}
+    assert A not in await with_room(m)
+
+
+async def test_a_slot_the_sweep_finds_again_goes_to_a_waiter_in_the_same_sweep(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots([(A, 1)]))
+    await real_redis.hincrby(m.slots.keys[3], A, 1)  # an older replica fills A unseen
+    await m.write_index()
+    waiter = await m.acquire("w1", may_wait=True)
+    assert waiter.status == QUEUED
+    await real_redis.hincrby(m.slots.keys[3], A, -1)  # and frees it, `free` untold
+    await m.sweep(waiters=[("w1", waiter.place + Tier.DEFAULT.rank * RANK)])
+    assert await m.queue() == []  # granted by this sweep's pump (its wake-up published)
+    assert await m.leases() == {"w1"} and await m.load() == {A: 1}

@@ -165,6 +165,26 @@ async def test_a_sweep_with_an_error_reply_applies_the_rest_and_raises(fleet: Fl
     assert set(keeper.states) == set(names[1:])
 
 
+async def test_a_round_that_fails_whole_has_its_index_writes_written_again(
+    fleet: Fleet,
+) -> None:
+    """The round's index change may or may not have landed: a penalty change keeps the
+    version, so no sweep would notice; the next write is whole."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    await bounded(keeper.sweep_once())  # the index written
+    adm.slots["two"].set_endpoints([("http://two-a:8000", 1, 0.5), ("http://two-b:8000", 1, 0.0)])
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        raise ConnectionError("the round's connection broke")
+
+    intercept(adm, around)
+    with pytest.raises(ConnectionError):
+        await bounded(keeper.sweep_once())
+    call = adm.slots["two"].index()
+    assert call is not None and call[2][1] == ""  # whole: no base version
+
+
 # --- the spool round ---------------------------------------------------------------------------
 
 

@@ -6,19 +6,22 @@ fail_fast, tier ceilings and the account limit exact over all of them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 
+import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.crc import key_slot
 
 from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
 from routing.admission.partitions import Rotation, partition_names, partition_of, split
 from routing.admission.slots import ModelSlots, Timing
-from routing.registry import ModelConfig, Registry
-from routing.store.connect import connect
+from routing.registry import EndpointConfig, ModelConfig, Registry
+from routing.store.connect import RedisPyStore, connect
 from tests.redis_cluster import RedisCluster
 from tests.routing.test_admission import (
     Fleet,
@@ -271,3 +274,24 @@ async def test_a_partition_with_no_endpoint_in_rotation_is_never_where_one_waits
     served = (await bounded(waiter)).lease
     await release_all(adm, [lease for lease in held if lease is not freed] + [served])
     await wide.assert_clean()
+
+
+def test_a_partition_the_hash_leaves_empty_is_said_and_the_others_share_the_queue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    same = [u for u in (f"http://gpu-{i}:8000" for i in range(100)) if partition_of(u, 2) == 1]
+    text = CONFIG.replace("partitions: 4", "partitions: 2").replace("max_queue: 8", "max_queue: 9")
+    config = parse_config(text, "t.yaml")
+    endpoints = tuple(
+        EndpointConfig(url=u, max_concurrency=1)  # type: ignore[arg-type]
+        for u in same[:3]
+    )
+    wide = config.models["wide"].model_copy(update={"endpoints": endpoints})
+    registry = Registry({"wide": wide})
+    with caplog.at_level(logging.WARNING, logger="gateway.admission"):
+        store = RedisPyStore(fakeredis.FakeAsyncRedis(), 2.0)
+        adm = Admission(store, registry, config.tiers, lease_ttl_s=30, on_outage="reject")
+    parts = partition_names("wide", 2)
+    assert [adm.slots[p].capacity for p in parts] == [0, 3]
+    assert adm.slots[parts[1]].max_queue == 9
+    assert "1 of its 2 partitions got no endpoint" in caplog.text

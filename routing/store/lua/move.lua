@@ -6,28 +6,34 @@
 local now = now_ms()
 expire(now)
 local id, avoid, k = ARGV[1], ARGV[3], tonumber(ARGV[4])
-local ep
-if k > 0 then
-  local found = redis.call('ZMSCORE', FREE, unpack(ARGV, 5, 4 + k))
-  for i = 1, k do
-    if found[i] and ARGV[4 + i] ~= avoid then
-      ep = ARGV[4 + i]
-      break
+-- The endpoint to move to: the first of the preferred with room, else the least loaded
+-- other than `avoid`; nil when none.
+local function choose()
+  if k > 0 then
+    local found = redis.call('ZMSCORE', FREE, unpack(ARGV, 5, 4 + k))
+    for i = 1, k do
+      if found[i] and ARGV[4 + i] ~= avoid then return ARGV[4 + i] end
     end
+    return nil
   end
-else
   local two = redis.call('ZRANGE', FREE, 0, 1)
-  ep = two[1] ~= avoid and two[1] or two[2]
+  return two[1] ~= avoid and two[1] or two[2]
 end
-if not ep then return '' end
 local was = id .. ' ' .. avoid
 local expiry = redis.call('ZSCORE', LEASES, was)
-if not expiry then
-  grant(id, ep, now + tonumber(ARGV[2]))  -- Redis lost it: written back where it goes now
-  count(id, 1)
-  return ep
+-- `free` may have one wrong (a rolling update): `take_slot` drops it and the next is tried.
+for _ = 1, 8 do
+  local ep = choose()
+  if not ep then return '' end
+  if not expiry then
+    grant(id, ep, now + tonumber(ARGV[2]))  -- Redis lost it: written back where it goes now
+    count(id, 1)
+    return ep
+  end
+  if take_slot(ep) then
+    drop_lease(id, avoid)
+    redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
+    return ep
+  end
 end
-if not take_slot(ep) then return '' end  -- `free` had it wrong (a rolling update)
-drop_lease(id, avoid)
-redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
-return ep
+return ''

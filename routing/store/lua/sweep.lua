@@ -73,6 +73,12 @@ end
 if #restored + requeued > 0 and not rebuilding() then
   open_window(ARGV[tail])
 end
+-- A few endpoints' place in `free` set again from their own count, before the pump: a slot
+-- it missed (a rolling update's older replica freed it) goes to a waiter now.
+local recheck = tail + 2
+for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
+  rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
+end
 waiting = waiting or requeued > 0
 if waiting then
   for _, id in ipairs(restored) do reweigh(id, #ceilings) end
@@ -96,10 +102,6 @@ if state[1] == 0 then
       rescore(fields[i], 0)
     end
   end
-end
-local recheck = tail + 2
-for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
-  rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
 end
 for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
