@@ -8,6 +8,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -233,6 +234,14 @@ async def fleet(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> A
         built = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
     else:
         built = Fleet(config, Registry(config.models), real_redis, store=request.param)
+    async with running(built):
+        yield built
+
+
+@asynccontextmanager
+async def running(built: Fleet) -> AsyncIterator[Fleet]:
+    """The fleet until the test ends, then closed, and a cluster's own client too (tests
+    read Redis after `close()`)."""
     try:
         yield built
     finally:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from redis.crc import key_slot
 
 from gateway.runtime.settings import parse_config
-from routing.admission.admit import Admission
+from routing.admission.admit import Admission, Admitted, Lease
 from routing.admission.partitions import Rotation, partition_names, partition_of, split
 from routing.admission.slots import ModelSlots, Timing
 from routing.registry import EndpointConfig, ModelConfig, Registry
@@ -29,6 +29,7 @@ from tests.routing.test_admission import (
     bounded,
     expect_limited,
     release_all,
+    running,
     watch_queued,
 )
 from tiers.policy import Tier
@@ -136,12 +137,8 @@ async def wide(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> As
         built = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
     else:
         built = Fleet(config, Registry(config.models), real_redis, store="resp")
-    try:
+    async with running(built):
         yield built
-    finally:
-        await built.close()
-        if built.cluster is not None:
-            await built.redis.aclose()
 
 
 async def in_parts(fleet: Fleet, key: str) -> dict[str, int]:
@@ -165,15 +162,24 @@ async def test_requests_spill_over_every_partition_before_any_queues(wide: Fleet
     await wide.assert_clean()
 
 
-async def test_a_waiter_queues_in_one_partition_and_its_release_serves_it(wide: Fleet) -> None:
-    adm = await wide.admission()
+async def full_with_a_waiter(
+    wide: Fleet, adm: Admission, slots: int
+) -> tuple[asyncio.Task[Admitted], list[Lease]]:
+    """`slots` leases held (every slot in rotation), then a request that queues."""
     await wide.keeper(adm)
     queued = watch_queued(adm)
-    held = [(await admit(adm, wide.plan("wide"))).lease for _ in range(8)]
+    held = [(await admit(adm, wide.plan("wide"))).lease for _ in range(slots)]
     waiter = asyncio.create_task(admit(adm, wide.plan("wide")))
     await bounded(queued.get())
+    return waiter, held
+
+
+async def serve_and_clean(
+    wide: Fleet, adm: Admission, waiter: asyncio.Task[Admitted], held: list[Lease]
+) -> None:
+    """Free a slot in the waiter's own partition: that release serves it; then all go."""
     depth = await in_parts(wide, "queue")
-    assert sorted(depth.values()) == [0, 0, 0, 1]
+    assert sorted(depth.values())[-2:] == [0, 1]
     part = next(p for p, n in depth.items() if n)
     freed = next(lease for lease in held if lease.keys == part)
     await bounded(adm.release(freed))
@@ -181,6 +187,13 @@ async def test_a_waiter_queues_in_one_partition_and_its_release_serves_it(wide: 
     assert (served.keys, served.endpoint) == (part, freed.endpoint)
     await release_all(adm, [lease for lease in held if lease is not freed] + [served])
     await wide.assert_clean()
+
+
+async def test_a_waiter_queues_in_one_partition_and_its_release_serves_it(wide: Fleet) -> None:
+    adm = await wide.admission()
+    waiter, held = await full_with_a_waiter(wide, adm, 8)
+    assert sorted((await in_parts(wide, "queue")).values()) == [0, 0, 0, 1]
+    await serve_and_clean(wide, adm, waiter, held)
 
 
 async def test_tier_ceilings_and_the_account_limit_hold_over_all_partitions(wide: Fleet) -> None:
@@ -255,25 +268,15 @@ async def test_a_partition_with_no_endpoint_in_rotation_is_never_where_one_waits
     wide: Fleet,
 ) -> None:
     adm = await wide.admission()
-    await wide.keeper(adm)
-    queued = watch_queued(adm)
     dead = {u for u in WIDE if partition_of(u, 4) == 1}
     adm.set_endpoints("wide", [(u, 1, 0.0) for u in WIDE if u not in dead])
-    held = [(await admit(adm, wide.plan("wide"))).lease for _ in range(6)]
-    assert all(lease.keys != PARTS[1] for lease in held)
     # Its queue looks the shortest (empty), but nobody could be served there.
     order = adm.rotations["wide"].order(None, True, Tier.DEFAULT, adm.slots)
     assert PARTS[1] not in {p for p, _ in order} and order[-1][1]
-    waiter = asyncio.create_task(admit(adm, wide.plan("wide")))
-    await bounded(queued.get())
-    depth = await in_parts(wide, "queue")
-    assert depth[PARTS[1]] == 0 and sum(depth.values()) == 1
-    there = next(p for p, n in depth.items() if n)
-    freed = next(lease for lease in held if lease.keys == there)
-    await bounded(adm.release(freed))
-    served = (await bounded(waiter)).lease
-    await release_all(adm, [lease for lease in held if lease is not freed] + [served])
-    await wide.assert_clean()
+    waiter, held = await full_with_a_waiter(wide, adm, 6)
+    assert all(lease.keys != PARTS[1] for lease in held)
+    assert (await in_parts(wide, "queue"))[PARTS[1]] == 0
+    await serve_and_clean(wide, adm, waiter, held)
 
 
 def test_a_partition_the_hash_leaves_empty_is_said_and_the_others_share_the_queue(
