@@ -52,10 +52,19 @@ local RANK = 1e15
 -- `free` was found empty and nothing was added since (`pick`, `rescore`): a later pick in the
 -- same script answers without a call (a full model's acquire picks twice).
 local full = false
+-- Read once per script (a script runs at one instant): Redis's TIME, and the queue's length
+-- (kept by `enqueue` and `unqueue`, the only writers of the queue).
+local clock = nil
+local queue_len = nil
+local function queue_size()
+  if queue_len == nil then queue_len = redis.call('ZCARD', QUEUE) end
+  return queue_len
+end
 
 -- @fn now_ms
 local function now_ms()
-  local t = redis.call('TIME')
+  clock = clock or redis.call('TIME')
+  local t = clock
   local micros = t[2] + 0
   return t[1] * 1000 + (micros - micros % 1000) / 1000  -- (cheaper than math.floor)
 end
@@ -83,7 +92,8 @@ local function rescore(ep, load, spec)
   local size = tonumber(string.sub(spec, 1, at - 1))
   if load < size then
     if not touched then
-      local t = redis.call('TIME')
+      clock = clock or redis.call('TIME')
+      local t = clock
       touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
     end
     redis.call('ZADD', FREE, load / size + tonumber(string.sub(spec, at + 1)) + touched, ep)
@@ -263,7 +273,7 @@ end
 
 -- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
 local function count(id, delta)
-  if redis.call('ZCARD', QUEUE) == 0 then return end
+  if queue_size() == 0 then return end
   local acct = account_of(id)
   if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
 end
@@ -324,11 +334,11 @@ end
 
 -- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
 local function enqueue(id, rank, seq)
-  if redis.call('ZCARD', QUEUE) == 0 then
+  if queue_size() == 0 then
     recount()
     mark_waiting(true)
   end
-  redis.call('ZADD', QUEUE, rank * RANK + seq, id)
+  queue_len = queue_len + redis.call('ZADD', QUEUE, rank * RANK + seq, id)
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
   local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
@@ -340,12 +350,14 @@ end
 
 -- Take an id out of the queue (a no-op for an id never queued, but a write that is not
 -- `denyoom`: see `expire`), its account's queue and, if it was the oldest, the index.
-local function unqueue(id)
+-- `place`: its score in the queue, when the caller read it.
+local function unqueue(id, place)
   redis.call('ZREM', QEXP, id)
-  local place = redis.call('ZSCORE', QUEUE, id)
+  place = place or redis.call('ZSCORE', QUEUE, id)
   if not place then return end
+  queue_len = queue_size() - 1  -- read before the ZREM, if not known yet
   redis.call('ZREM', QUEUE, id)
-  if redis.call('ZCARD', QUEUE) == 0 then
+  if queue_len == 0 then
     redis.call('DEL', HELD)
     mark_waiting(false)
   end
@@ -372,7 +384,7 @@ local function turn_of(id, rank, fair, ahead)
 end
 
 -- The oldest waiter of the account with the best claim in tier `rank` (fewest leases held
--- relative to its weight, then the oldest waiter), or nil. Entries left stale (a waiter
+-- relative to its weight, then the oldest waiter), and its place in the queue; or nil. Entries left stale (a waiter
 -- Redis no longer queues) are mended on the way.
 local function fair_head(rank)
   local index = account_index(rank)
@@ -381,7 +393,8 @@ local function fair_head(rank)
     if not best then return nil end
     local acct = string.sub(best, 17)
     local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0)[1]
-    if head and redis.call('ZSCORE', QUEUE, head) then return head end
+    local place = head and redis.call('ZSCORE', QUEUE, head)
+    if place then return head, place end
     if head then redis.call('ZREM', account_queue(rank, acct), head) end
     reindex(rank, acct, select(2, account_of(head or '')), best)
   end
@@ -413,13 +426,14 @@ local function expire(now, waiting, ranks)
     count(id, -1)
     gone[i] = id
   end
-  if #gone > 0 and redis.call('ZCARD', QUEUE) > 0 then
+  if #gone > 0 and queue_size() > 0 then
     for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
   end
   if #gone > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone) end
 end
 
--- The waiter of the best tier that may take a slot now, or nil: in a `fair` tier the oldest
+-- The waiter of the best tier that may take a slot now and its place, or nil: in a `fair`
+-- tier the oldest
 -- of the account with the best claim (`fair_head`), else the tier's oldest. A tier whose own
 -- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
 -- default's must not stall the default queue).
@@ -430,9 +444,9 @@ local function eligible_head(inflight, ceilings, fair)
       local head = fair[rank + 1] and {fair_head(rank)} or {}
       if not head[1] then
         head = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
-          '(' .. score((rank + 1) * RANK), 'LIMIT', 0, 1)
+          '(' .. score((rank + 1) * RANK), 'WITHSCORES', 'LIMIT', 0, 1)
       end
-      if head[1] then return head[1] end
+      if head[1] then return head[1], head[2] end
     end
   end
   return nil
@@ -476,21 +490,21 @@ end
 -- (`find_lease`). ceilings[rank + 1] = capacity x max_utilization; fair[rank + 1]: whether
 -- that tier shares between accounts.
 local function pump(now, claim, ceilings, fair)
-  if redis.call('ZCARD', QUEUE) == 0 or rebuilding() then return 0 end
+  if queue_size() == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
     -- An endpoint with room first: one read when the model is full (the common end of a
     -- pump under load), where finding the head takes several.
     local ep = pick(nil, 0, 0)
     if not ep then break end
-    local id = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
+    local id, place = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
     if not id then break end
     if take_slot(ep) then  -- else `free` had it wrong: it left, the next is tried
       -- Counted first: leaving the queue reindexes its tier's entry (the head is its
       -- account's oldest there) with the lease already counted; the other tiers follow.
       count(id, 1)
-      local rank = math.floor(tonumber(redis.call('ZSCORE', QUEUE, id)) / RANK)
-      unqueue(id)
+      local rank = math.floor(tonumber(place) / RANK)
+      unqueue(id, place)
       redis.call('ZADD', LEASES, now + claim, id)
       redis.call('HSET', EP_OF, id, ep)
       reweigh(id, #ceilings, rank)

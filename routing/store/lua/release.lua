@@ -38,7 +38,7 @@ for _, id in ipairs(unsure) do
   end
 end
 if found > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * found) end
-if redis.call('ZCARD', QUEUE) == 0 then return 0 end
+if queue_size() == 0 then return 0 end
 -- The accounts that gave slots back have a better claim now (fair share).
 for _, id in ipairs(freed) do
   count(id, -1)

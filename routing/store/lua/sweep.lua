@@ -24,7 +24,7 @@ end
 
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
-local waiting = redis.call('ZCARD', QUEUE) > 0
+local waiting = queue_size() > 0
 local claim, ceilings, fair = parse_spec(words(ARGV[3]))
 expire(now, waiting, #ceilings)
 local marker = redis.call('HGET', EP_LOAD, '~s')
@@ -90,7 +90,7 @@ local function queued(rank)
 end
 -- The waiting bit the common cases read, set right (it is kept at each change of the
 -- queue between empty and not; a sweep mends whatever slipped).
-local marks = mark_waiting(redis.call('ZCARD', QUEUE) > 0)
+local marks = mark_waiting(queue_size() > 0)
 local state = {redis.call('ZCARD', LEASES)}
 -- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
 -- lease an older release reclaimed without knowing its endpoint, during a rolling update).
