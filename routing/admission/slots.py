@@ -181,8 +181,7 @@ class ModelSlots:
         them from the next `index` call."""
         self.capacity = sum(size for _, size, _ in endpoints)
         urls = [url for url, _, _ in endpoints]
-        if set(urls) != set(self.urls):
-            self.ring = Ring(urls)
+        self.ring = self.ring.changed(urls)
         self.urls = urls
         self._spec = {url: (size, round(penalty, 4)) for url, size, penalty in endpoints}
         # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its

@@ -54,3 +54,17 @@ def test_odd_keys_hash_without_raising() -> None:
     # The edge refuses lone surrogates; hashing must not be what fails a request anyway.
     for key in ["\ud800", "a\udfffb", "\x00", "\U0001f600", ""]:
         assert sorted(Ring(URLS).preferred(key, 4)) == sorted(URLS)
+
+
+def test_a_ring_changed_in_place_is_the_ring_built_afresh() -> None:
+    """Health changes the set an endpoint at a time: the ring made from the last one (points
+    kept, dropped, inserted, or many sorted in) answers as one built from nothing."""
+    urls = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(300)]
+    ring = Ring(()).changed(urls)
+    steps = [urls[1:], [*urls[1:], "http://new:1"], urls[:100], urls]
+    for now in steps:
+        ring = ring.changed(now)
+        fresh = Ring(now)
+        assert ring.distinct == fresh.distinct == len(set(now))
+        assert all(ring.preferred(str(k), 4) == fresh.preferred(str(k), 4) for k in range(500))
+    assert ring.changed(list(reversed(urls))) is ring  # the same set: nothing to do
