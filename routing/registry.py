@@ -66,7 +66,7 @@ class ModelConfig(BaseModel):
         if self.partitions > len(self.endpoints):
             raise ValueError(
                 f"partitions ({self.partitions}) must not exceed the number of endpoints "
-                f"({len(self.endpoints)}): each partition needs one"
+                f"({len(self.endpoints)})"
             )
         return self
 

@@ -193,7 +193,8 @@ class Handback:
                 self.holdings.doubt(lease_id, model, account)
         else:
             # The last call's reply names the endpoint it granted, if it granted one.
-            last = work.result()[-1] if work.result() else None
+            replies = work.result()
+            last = replies[-1] if replies else None
             endpoint = text(last) if isinstance(last, bytes | str) else ""
             self.give_back(lease_id, model, account, endpoint)
 
