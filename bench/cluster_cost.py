@@ -165,7 +165,7 @@ async def measure(cluster: RedisCluster, n: int, batch: int, count: int) -> dict
     try:
         await admission.start()
         lives = await capture(admission, registry, models, accounts)
-        acquire = admission.scripts.sha["acquire"]
+        acquire = admission.scripts.called_as("acquire")
         await replay_lives(store, lives, acquire, min(n, 600), batch, "w-")  # warm-up
         sent = sent_per_master(store, lives, n)
         rounds = []

@@ -14,13 +14,15 @@ of its own (a free loopback port; or --redis / REDIS_URL, used as it is: only th
 endpoints are names, since admission never calls them. The HTTP part and the Cluster run:
 bench/fleet_http.py.
 
-One cycle is one admission, and both of its script calls are counted:
+One cycle is one admission, and every script call of it is counted:
 - empty queue: an acquire granted at once, then its release (the model half full);
 - through the queue (10 waiters, "short"; 10,000 of one account; 10,000 of as many
-  accounts): the model full, D waiters queued; a new waiter queues (acquire), the oldest
-  lease is released and the pump grants the queue's head (release), whose lease is given
-  back by a later cycle (found through its grant, routing/store/lua/prelude.lua
-  `find_lease`). So D stays constant, and each cycle admits one request through the queue.
+  accounts): the model full, D waiters queued; as the gateway does it, a new waiter queues
+  (acquire), the oldest lease is given back on its endpoint (release), which hands the slot
+  to the queue's head, and the head's replica, woken by message, claims its grant (one
+  claim call per grant, the worst case: a replica claims the grants woken in one loop turn
+  together) and gives it back in a later cycle. So D stays constant, and each cycle admits
+  one request through the queue.
 Redis CPU is used_cpu_user + sys around the cycles (INFO), per cycle; the gateway's CPU is
 this process's CPU time around them (building the calls, encoding, parsing the replies).
 Ratios compare each configuration with N = 1 and an empty queue in the same run.
@@ -76,7 +78,7 @@ class Model:
         self.store, self.scripts = store, scripts
         size = CAPACITY // n
         urls = [f"http://10.{i // 250}.{i % 250}.1:8000" for i in range(n)]
-        self.slots = ModelSlots(name, UTILIZATION, 100_000, TIMING)
+        self.slots = ModelSlots(name, UTILIZATION, 100_000, TIMING, declare_all=False)
         self.slots.configured = frozenset(urls)
         self.slots.set_endpoints([(u, size, 0.0) for u in urls])
         self.capacity = size * n
@@ -134,19 +136,43 @@ class Model:
                 ]
             )
 
-    async def queued_cycles(self, n: int, accounts: bool) -> None:
-        """A newcomer queues, the oldest lease goes back and the queue's head is granted."""
+    async def queued_cycles(
+        self, n: int, accounts: bool, wakes: aioredis.client.PubSub, claim_group: int
+    ) -> None:
+        """As the gateway does it: a newcomer queues; the oldest lease is given back (on its
+        endpoint), which hands the slot to the queue's head; the head's replica, woken by
+        message, claims its grant (`claim_group` grants per claim call: a replica claims
+        the grants woken in one loop tick together), and gives it back in a later cycle."""
+        waiting = deque(self.waiting)
         for start in range(0, n, BATCH):
             calls: list[Any] = []
-            for _ in range(min(BATCH, n - start)):
+            size = min(BATCH, n - start)
+            for _ in range(size):
                 newcomer = self.waiter_id(accounts)
                 calls.append(self.slots.acquire(newcomer, Tier.DEFAULT, may_wait=True))
                 lease_id, endpoint = self.held.popleft()
                 calls.append(self.slots.release([lease_id], endpoint=endpoint))
-                self.waiting.append(newcomer)
-                self.held.append((self.waiting.popleft(), ""))
+                waiting.append(newcomer)
             replies = await self.send(calls)
             assert all(int(r) == 1 for r in replies[1::2]), "a release granted no waiter"
+            granted = [await self._woken(wakes) for _ in range(size)]
+            groups = range(0, size, claim_group)
+            await self.send([self.slots.claim(granted[g : g + claim_group]) for g in groups])
+            for waiter_id, endpoint in granted:
+                assert waiter_id == waiting.popleft()
+                self.held.append((waiter_id, endpoint))
+        self.waiting = waiting
+
+    @staticmethod
+    async def _woken(wakes: aioredis.client.PubSub) -> tuple[str, str]:
+        """The next grant's wake-up (the subscription's own confirmation skipped)."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            message = await wakes.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if message is not None:
+                waiter_id, _, endpoint = message["data"].decode().partition(" ")
+                return waiter_id, endpoint
+        raise AssertionError("a grant's wake-up never came")
 
     async def clear(self, info: aioredis.Redis) -> None:
         for key in self.slots.keys:
@@ -155,25 +181,30 @@ class Model:
             await info.delete(key)
 
 
-async def one(url: str, info: aioredis.Redis, n: int, queue: str, cycles: int) -> dict[str, Any]:
+async def one(
+    url: str, info: aioredis.Redis, n: int, queue: str, cycles: int, claim_group: int = 1
+) -> dict[str, Any]:
     """One configuration: N endpoints, its queue (one of QUEUES)."""
     store = RespClient(url)
     scripts = Scripts()
     await scripts.load(store)
     model = Model(store, scripts, n, f"{TAG}-{n}-{queue}")
     depth = {"empty": 0, "short": 10}.get(queue, 10_000)
+    wakes = info.pubsub()
+    await wakes.subscribe(model.slots.channel)
     try:
         hold = model.capacity // 2 if queue == "empty" else model.capacity
         await model.setup(hold, depth, accounts=queue == "accounts")
         work = (
             model.direct_cycles(cycles)
             if queue == "empty"
-            else model.queued_cycles(cycles, accounts=queue == "accounts")
+            else model.queued_cycles(cycles, queue == "accounts", wakes, claim_group)
         )
         cpu = time.process_time()
         delta = await measured(info, work)
         mine = time.process_time() - cpu
     finally:
+        await wakes.aclose()
         await model.clear(info)
         await store.aclose()
     return {
@@ -181,6 +212,7 @@ async def one(url: str, info: aioredis.Redis, n: int, queue: str, cycles: int) -
         "queue": queue,
         "waiting": depth,
         "cycles": cycles,
+        "claim_group": claim_group,
         "redis_cpu_us_per_admission": round(delta.cpu_s / cycles * 1e6, 2),
         "redis_cmd_us_per_admission": round(sum(delta.usec.values()) / cycles, 2),
         "gateway_cpu_us_per_admission": round(mine / cycles * 1e6, 2),

@@ -100,7 +100,8 @@ async def replay_lives(
 ) -> None:
     """`n` lives back to back, `batch` per round trip, the i-th a replay of `lives[i % k]`.
     Each must be granted its slot and give everything back, or the benchmark measures
-    something else (`acquire`: the acquire script's sha)."""
+    something else (`acquire`: what a call of the acquire script names, its function or its
+    sha: routing/store/scripts.py `called_as`)."""
     granted = 0
     for start in range(0, n, batch):
         commands: list[Command] = []
@@ -111,7 +112,8 @@ async def replay_lives(
         for command, reply in zip(commands, replies, strict=True):
             if isinstance(reply, Exception):
                 raise reply
-            if command[0] == "EVALSHA" and command[1] == acquire and isinstance(reply, bytes):
+            scripted = command[0] in ("EVALSHA", "FCALL")
+            if scripted and command[1] == acquire and isinstance(reply, bytes):
                 granted += 1
     if granted != n:
         raise RuntimeError(f"replay: {granted} of {n} admissions granted")

@@ -123,7 +123,8 @@ def one_admission(batches: list[list[Command]], delta: Delta) -> dict[str, Any]:
     return {
         "round_trips": len(batches),
         "commands_sent": sum(sent.values()),
-        "evalsha": sent["evalsha"],
+        # Script calls, by EVALSHA or FCALL (routing/store/scripts.py).
+        "evalsha": sent["evalsha"] + sent["fcall"],
         "commands_in_redis": delta.total_calls,
         "called_by_scripts": {k: v for k, v in sorted(inner.items()) if v > 0},
         # This request alone, its scripts run cold: the replays below give the steady cost.
@@ -166,7 +167,7 @@ async def by_script(
     calls: Counter[str] = Counter()
     for args, usec in entries:
         name = None
-        if args[0].upper() == "EVALSHA" and len(args) > 1:
+        if args[0].upper() in ("EVALSHA", "FCALL") and len(args) > 1:
             name = shas.get(args[1])
         elif len(args) > 1 and args[1].startswith(("usage", "{usage}")):
             # The record's first send: a transaction, whose EXEC the slow log skips; its SET
@@ -231,7 +232,9 @@ async def measure(url: str, n: int, batch: int, count: int, idle_s: float) -> di
             batches, lease_id, delta = await capture(admission, plan, info)
             results["one_admission"] = one_admission(batches, delta)
             assert isinstance(admission.store, RespClient)
-            names = {**admission.scripts.sha, "noop": await info.script_load(NOOP)}
+            scripts = admission.scripts
+            names = {n: scripts.called_as(n) for n in scripts.sha}
+            names["noop"] = await info.script_load(NOOP)
             life: Life = (admission.store, batches, lease_id, names["acquire"])
             await replay(life, min(n, 500), batch, "w-")  # warm-up
             await noops(admission.store, names["noop"], min(n, 500), batch)

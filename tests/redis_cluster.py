@@ -176,6 +176,7 @@ class RedisCluster:
             with self.client(node) as client:
                 client.flushall()
                 client.script_flush()
+                client.function_flush()
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -1,4 +1,5 @@
-"""The Lua scripts of admission, registered once and run by EVALSHA, in batches.
+"""The Lua scripts of admission, registered once and run in batches: as one library of
+Redis Functions (FCALL) where Redis has them (7.0 and later), else by EVALSHA.
 
 A batch is several calls sent in one round trip. Its replies come back one per call, with
 a call's own error reply (a NOSCRIPT, an OOM refusal, a script error) as an exception
@@ -7,9 +8,16 @@ took. A lost connection or a missed deadline fails the whole batch instead. Batc
 through a `Store` (routing/store/base.py), whichever client carries it.
 
 Not redis-py's `register_script`: its pipelines ask SCRIPT EXISTS before every execute, a
-second round trip on the hot path. Here a NOSCRIPT reply (Redis restarted empty) reloads the
-scripts and resends only the calls that got it: the others already ran and must not run
-twice (a second `account` call would count the request twice).
+second round trip on the hot path. Here a NOSCRIPT reply, or a function Redis does not have
+(Redis restarted empty), reloads the scripts and resends only the calls that got it: the
+others already ran and must not run twice (a second `account` call would count the request
+twice).
+
+Why Functions: a script defines the prelude's functions (routing/store/lua/prelude.lua) anew
+on every call, about 9 usec of Redis CPU for all of them, so that each script's common case
+makes only the few it needs; a library makes them once, when it is loaded, and a call runs
+only its own code. Redis 6.2, an emulation that refuses the library, or a user whose ACL
+does not allow FUNCTION LOAD: the same code as scripts.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from functools import partial
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from routing.store.base import Store
 from routing.store.futures import chain
@@ -52,6 +60,9 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 GUARD = "-- @oom-guard"
 PROBE = ALLOW_OOM + "return 1"
 _FLAGGED = ("acquire",)
+# The library's name carries a digest of its code: replicas of two releases (a rolling
+# update) each call their own, side by side.
+LIBRARY = "gw_"
 
 
 def _lua(name: str) -> str:
@@ -80,9 +91,32 @@ class Prelude:
             raise ValueError(f"no such prelude function: {sorted(unknown)}")
         before = "".join(code for name, code in self.functions if name in needs)
         after = "".join(code for name, code in self.functions if name not in needs)
+        names = self.names + "bind(KEYS)\n"
         if not marked:
-            return self.names + after + self.rest + body
-        return self.names + before + first + after + self.rest + then
+            return names + after + self.rest + body
+        return names + before + first + after + self.rest + then
+
+    def library(self, bodies: dict[str, str]) -> tuple[str, str]:
+        """One library of Redis Functions holding every script, and its name: the prelude
+        made once, each script a function that binds its keys and runs its own code. Each
+        may run at maxmemory (`allow-oom`, as the scripts' first writes let them: prelude
+        `expire`), so its `-- @oom-guard` line is left out."""
+        code = [self.names, *(fn for _, fn in self.functions), self.rest]
+        for name, body in bodies.items():
+            own = _unguarded(body)
+            code.append(f"local function run_{name}(KEYS, ARGV)\nbind(KEYS)\n{own}end\n")
+        text = "".join(code)
+        library = LIBRARY + _sha1(text)[:16]
+        registered = [
+            f"redis.register_function{{function_name='{library}_{name}', callback=run_{name}, "
+            "flags={'allow-oom'}}\n"
+            for name in bodies
+        ]
+        probe = (
+            f"redis.register_function{{function_name='{library}_probe', "
+            "callback=function() return 1 end, flags={'no-writes'}}\n"
+        )
+        return f"#!lua name={library}\n" + text + "".join(registered) + probe, library
 
 
 def _unguarded(text: str) -> str:
@@ -101,30 +135,65 @@ def first_error(replies: Sequence[Any]) -> Exception | None:
     return next((r for r in replies if isinstance(r, Exception)), None)
 
 
+def missing(reply: Any) -> bool:
+    """Whether a call's reply says Redis does not have the script or function it named."""
+    return isinstance(reply, NoScriptError) or (
+        isinstance(reply, ResponseError) and "Function not found" in str(reply)
+    )
+
+
 class Scripts:
-    def __init__(self) -> None:
+    def __init__(self, *, functions: bool = True) -> None:
+        """`functions`: run the scripts as a library of Redis Functions where Redis has them
+        (False: always by EVALSHA)."""
         prelude = Prelude(_lua("prelude.lua"))
-        self._text = {n: prelude.around(_lua(f"{n}.lua")) for n in _PRELUDED}
+        bodies = {n: _lua(f"{n}.lua") for n in _PRELUDED}
+        self._text = {n: prelude.around(bodies[n]) for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})
         self._flagged = {n: ALLOW_OOM + _unguarded(self._text[n]) for n in _FLAGGED}
         self._plain = {n: _sha1(t) for n, t in self._text.items()}
         # What calls use: the flagged scripts' sha once Redis took them (`load`).
         self.sha = dict(self._plain)
+        self._library, self.library = prelude.library(bodies) if functions else ("", "")
+        # The scripts called as functions once Redis took the library, and the sha of those
+        # called by EVALSHA (`load`).
+        self.functions: dict[str, str] = {}
+        self.loaded: dict[str, str] = {}
 
     async def load(self, store: Store) -> None:
-        texts = [*self._text.values(), *self._flagged.values(), PROBE]
+        """Load what the calls will run: the library and the plain scripts where Redis takes
+        the library, else every script (Redis keeps what it is given: the scripts' texts,
+        each with the prelude, hold about 370 KB, the library about 60 KB)."""
+        functions = bool(self._library) and await self._loads_library(store)
+        names = list(_PLAIN) if functions else list(self._text)
+        flagged = {} if functions else self._flagged
+        texts = [*(self._text[n] for n in names), *flagged.values(), PROBE]
         replies = await store.send([("SCRIPT", "LOAD", t) for t in texts])
-        plain, flagged = replies[: len(self._text)], replies[len(self._text) :]
-        for name, sha in zip(self._text, plain, strict=True):
+        for name, sha in zip(names, replies, strict=False):
             if isinstance(sha, Exception):
                 raise sha
             if _text_of(sha) != self._plain[name]:
                 raise RuntimeError(f"script {name}: Redis computed another sha1")
-        took = all(not isinstance(r, Exception) for r in flagged) and await self._runs_flagged(
-            store
-        )
-        for name, text in self._flagged.items():
+        rest = replies[len(names) :]
+        took = all(not isinstance(r, Exception) for r in rest) and await self._runs_flagged(store)
+        for name, text in flagged.items():
             self.sha[name] = _sha1(text) if took else self._plain[name]
+        self.functions = {n: f"{self.library}_{n}" for n in _PRELUDED} if functions else {}
+        self.loaded = {n: self.sha[n] for n in names}
+
+    def called_as(self, name: str) -> str:
+        """What a call of script `name` names: its function once Redis took the library,
+        else its sha (the benchmarks tell the scripts apart by it)."""
+        return self.functions.get(name) or self.sha[name]
+
+    async def _loads_library(self, store: Store) -> bool:
+        """Whether Redis took the library and runs it (or had it already). Refused (Redis
+        6.2, an ACL without FUNCTION, an emulation without it): the scripts run by EVALSHA."""
+        (loaded,) = await store.send([("FUNCTION", "LOAD", self._library)])
+        if isinstance(loaded, Exception) and "already exists" not in str(loaded):
+            return False
+        (reply,) = await store.send([("FCALL", f"{self.library}_probe", 0)])
+        return not isinstance(reply, Exception) and int(reply) == 1
 
     @staticmethod
     async def _runs_flagged(store: Store) -> bool:
@@ -157,7 +226,7 @@ class Scripts:
         done: asyncio.Future[list[Any]],
     ) -> None:
         answered = not done.cancelled() and done.exception() is None
-        if answered and any(isinstance(r, NoScriptError) for r in done.result()):
+        if answered and any(missing(r) for r in done.result()):
             retry = asyncio.ensure_future(self._resend_missing(store, calls, done.result()))
             retry.add_done_callback(partial(chain, outer))
         else:
@@ -172,20 +241,20 @@ class Scripts:
         # Twice at most: a Cluster's call redirected to a master its slot map did not have
         # yet gets NOSCRIPT there, and the first load may leave before the map names it.
         for _ in range(2):
-            missing = [i for i, r in enumerate(merged) if isinstance(r, NoScriptError)]
-            if not missing:
+            lost = [i for i, r in enumerate(merged) if missing(r)]
+            if not lost:
                 break
             try:
                 await self.load(store)
-                again = await store.send(self._commands([calls[i] for i in missing]))
+                again = await store.send(self._commands([calls[i] for i in lost]))
             except NotSent as exc:
-                if len(missing) == len(calls):
+                if len(lost) == len(calls):
                     raise
                 # The other calls ran (a Cluster: only one master lost its scripts): the
                 # resend's failure is those calls' reply in place, so the caller gives back
                 # what ran.
-                again = [exc] * len(missing)
-            for i, reply in zip(missing, again, strict=True):
+                again = [exc] * len(lost)
+            for i, reply in zip(lost, again, strict=True):
                 merged[i] = reply
         return merged
 
@@ -195,6 +264,8 @@ class Scripts:
             sha = self.sha.get(name)
             if name == TRANSACTION:
                 commands.append(Transaction(self._commands(args)))
+            elif (function := self.functions.get(name)) is not None:
+                commands.append(("FCALL", function, len(keys), *keys, *args))
             elif sha is None:
                 commands.append((name, *keys, *args))  # tuples: hiredis packs them (wire.py)
             else:

@@ -146,7 +146,9 @@ class _Sentinel(Sentinel):
     """redis-py's Sentinel, asking through `Sentinels` (one lookup, one set of errors)."""
 
     def __init__(self, sentinels: Locator, **connection_kwargs: Any) -> None:
-        super().__init__([], **connection_kwargs)  # type: ignore[no-untyped-call]
+        # (Through Any: redis-py's releases differ on whether this __init__ is typed.)
+        init: Any = super().__init__
+        init([], **connection_kwargs)
         self.lookup = sentinels
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:

@@ -63,9 +63,9 @@ def wrong_password(tmp: Path) -> Misconfigured:
 
 def missing_permission(tmp: Path) -> Misconfigured:
     server = RedisServer(tmp).start()
-    with redis.Redis(port=server.port) as admin:  # everything but running scripts
+    with redis.Redis(port=server.port) as admin:  # everything but running scripts, either way
         admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all",
-                              "-evalsha")  # fmt: skip
+                              "-evalsha", "-fcall")  # fmt: skip
     url = f"redis://gw:pw@127.0.0.1:{server.port}/0"
     reason = "redis: NOPERM this user has no permissions to run the 'evalsha' command"
     return Misconfigured(url, reason, "redis: NOPERM (missing ACL permission: evalsha)", [server])

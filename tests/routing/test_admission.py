@@ -984,6 +984,7 @@ async def test_a_script_flush_does_not_count_a_request_twice(fleet: Fleet) -> No
     that did not run, so an account of limit 1 is not at its limit with one request."""
     adm = await fleet.admission()
     await fleet.redis.script_flush()
+    await fleet.redis.function_flush()
     lease = (await admit(adm, fleet.plan("two"), limit=1)).lease
     assert await fleet.account() == 1
     await bounded(adm.release(lease))

@@ -120,7 +120,7 @@ async def test_scripts_are_loaded_on_every_master(
     await bounded(scripts.load(store))
     for node in empty_cluster.nodes:
         with redis.Redis(host="127.0.0.1", port=node.port) as client:
-            assert all(client.script_exists(*scripts.sha.values()))
+            assert all(client.script_exists(*scripts.loaded.values()))
     tags = tags_on_each_node(empty_cluster)
     calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
     assert await bounded(scripts.send(store, calls)) == [1, 1, 1]
@@ -133,6 +133,7 @@ async def test_scripts_lost_by_one_node_are_loaded_again(
     await bounded(scripts.load(store))
     with redis.Redis(host="127.0.0.1", port=empty_cluster.nodes[1].port) as client:
         client.script_flush()  # that node restarted empty, say
+        client.function_flush()
     tags = tags_on_each_node(empty_cluster)
     calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
     assert await bounded(scripts.send(store, calls)) == [1, 1, 1]

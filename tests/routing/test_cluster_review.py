@@ -82,6 +82,7 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
         await bounded(_until_not_sent(cast(ClusterStore, adm.store), down))
         with cluster.client(model_node) as client:
             client.script_flush()
+            client.function_flush()
         with contextlib.suppress(Unavailable):  # admitted once a reload skips the down node
             lease = (await admit(adm, fleet.plan("two"), account=account)).lease
             await bounded(adm.release(lease))
@@ -108,6 +109,7 @@ async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
         await bounded(_until_not_sent(cast(ClusterStore, adm.store), down))
         with cluster.client(model_node) as client:
             client.script_flush()
+            client.function_flush()
         lease = (await admit(adm, fleet.plan("two"), account=account)).lease
         await bounded(adm.release(lease))
 

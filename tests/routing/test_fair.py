@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from routing.admission.slots import GRANTED, QUEUED, RANK, ModelSlots, attempt, make_lease_id
@@ -17,6 +18,9 @@ from tests.redis_cluster import RedisCluster
 from tests.routing.test_cluster import lean_store
 from tests.routing.test_slots import TIMING, A, B, Model
 from tiers.policy import Tier
+
+# Every test here runs on both bindings of the scripts (tests/routing/conftest.py).
+pytestmark = pytest.mark.usefixtures("script_modes")
 
 UTILIZATION = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 1.0}
 

@@ -13,6 +13,9 @@ from routing.store.wire import text
 from tests.routing.test_slots import A, B, Model, slots
 from tiers.policy import Tier
 
+# Every test here runs on both bindings of the scripts (tests/routing/conftest.py).
+pytestmark = pytest.mark.usefixtures("script_modes")
+
 C = "http://c:8000"
 
 

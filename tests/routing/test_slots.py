@@ -33,6 +33,9 @@ from routing.store.scripts import Scripts
 from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier
 
+# Every test here runs on both bindings of the scripts (tests/routing/conftest.py).
+pytestmark = pytest.mark.usefixtures("script_modes")
+
 A, B = "http://a:8000", "http://b:8000"
 TTL_MS = 30_000
 TIMING = Timing(lease_ttl_ms=TTL_MS, claim_ms=2_000, waiter_ttl_ms=3_000)
@@ -452,6 +455,7 @@ async def test_send_recovers_from_a_flushed_script_cache(real_redis: aioredis.Re
     m = Model(real_redis, slots())
     await m.write_index()
     await real_redis.script_flush()
+    await real_redis.function_flush()  # a restart empties both
     replies = await m.scripts.send(
         m.store,
         [
@@ -463,7 +467,7 @@ async def test_send_recovers_from_a_flushed_script_cache(real_redis: aioredis.Re
     # The plain command ran in the first round trip and was not sent again.
     assert int(replies[1]) == 0
     assert await real_redis.zcard(m.slots.keys[0]) == 1
-    assert all(await real_redis.script_exists(*m.scripts.sha.values()))
+    assert all(await real_redis.script_exists(*m.scripts.loaded.values()))
 
 
 async def test_a_flush_resends_only_the_calls_that_did_not_run(

@@ -160,12 +160,51 @@ async def test_scripts_resend_only_the_calls_that_got_noscript(
     scripts = Scripts()
     await bounded(scripts.load(store))
     await admin.script_flush()
+    await admin.function_flush()  # Redis restarted empty: both gone
     key = account_key("t-store")
     replies = await bounded(
         scripts.send(store, [("account", [key], ["l1", 5, 30_000]), ("ZCARD", [key], [])])
     )
     assert replies == [1, 0]  # ZCARD ran before the account call got through, not after
     assert await admin.zcard(key) == 1  # counted once
-    assert all(await admin.script_exists(*scripts.sha.values()))
+    assert all(await admin.script_exists(*scripts.loaded.values()))
+    if scripts.functions:  # loaded again too (the memory store's emulation may lack them)
+        listed = await admin.function_list()
+        libraries = [dict(zip(lib[::2], lib[1::2], strict=True)) for lib in listed]
+        assert [lib[b"library_name"] for lib in libraries] == [scripts.library.encode()]
     assert await bounded(scripts.call(store, ("ZCARD", [key], []))) == 1
+    await admin.delete(key)
+
+
+async def test_the_scripts_run_as_one_library_of_functions_where_redis_has_them(
+    store_and_admin: tuple[Store, aioredis.Redis],
+) -> None:
+    """Redis 7 takes the library (every script a function of it) and the calls go by FCALL;
+    a second load, by another replica of the same release, finds it there and uses it."""
+    store, admin = store_and_admin
+    first, second = Scripts(), Scripts()
+    await bounded(first.load(store))
+    await bounded(second.load(store))
+    assert first.library == second.library
+    assert set(second.functions) == {
+        "acquire", "release", "account", "cancel", "claim", "sweep", "move", "index"
+    }  # fmt: skip
+    key = account_key("t-lib")
+    assert await bounded(second.call(store, ("account", [key], ["l1", 5, 30_000]))) == 1
+    assert await admin.zcard(key) == 1
+    await admin.delete(key)
+
+
+async def test_without_function_load_the_same_scripts_run_by_evalsha(
+    store_and_admin: tuple[Store, aioredis.Redis],
+) -> None:
+    """A Redis that refuses the library (6.2; an ACL without FUNCTION): no function is
+    used, and the scripts do the same by EVALSHA."""
+    store, admin = store_and_admin
+    scripts = Scripts(functions=False)
+    await bounded(scripts.load(store))
+    assert scripts.functions == {}
+    key = account_key("t-eval")
+    assert await bounded(scripts.call(store, ("account", [key], ["l1", 5, 30_000]))) == 1
+    assert await admin.zcard(key) == 1
     await admin.delete(key)

@@ -24,9 +24,11 @@ local expiry = (now + ttl) .. ''
 -- The first write, not `denyoom` (prelude: `expire`): a no-op for an id never queued (one
 -- queued before leaves its place below, in the rest: the queue is not empty then). Left
 -- out where Redis lets the script itself run at maxmemory (routing/scripts.py `ALLOW_OOM`).
-redis.call('ZREM', QEXP, id)  -- @oom-guard
--- The state marker, `~f` and the index's version (prelude: `ep_load`), in one call.
-local loads = redis.call('HMGET', EP_LOAD, '~s', '~f', '~v')
+local requeued = nil
+requeued = redis.call('ZREM', QEXP, id)  -- @oom-guard
+-- The state marker, `~f`, the index's version and the waiters per tier (prelude: `ep_load`),
+-- in one call.
+local loads = redis.call('HMGET', EP_LOAD, '~s', '~f', '~v', '~w0', '~w1', '~w2')
 if not loads[3] then return {-3, '', 0, 0, 0, 0, 0} end
 -- On one Redis a walk's first try takes the account's own slot here too: ACCOUNT is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
@@ -49,33 +51,37 @@ local rank = tonumber(ARGV[3])
 local t = words(ARGV[6 + k])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
 local claim, ceilings, fair = parse_spec(t, 6)
-unqueue(id)
-expire(now, nil, #ceilings)
+if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
+steady(loads[1])
+-- An id queued before (an acquire sent again) leaves its old place first.
+if (requeued or redis.call('ZREM', QEXP, id)) == 1 then unqueue(id) end
+-- The model may be full: leases whose replica died must not make it look so.
+reclaim(now)
 lost(now, known, rebuild_ms, loads[1] ~= false)
-pump(now, claim, ceilings, fair)
+pump((now + claim) .. '', ceilings, fair)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
-local inflight = redis.call('ZCARD', LEASES)
-if inflight < ceilings[rank + 1] and not rebuilding() then
+if inflight() < ceilings[rank + 1] and not rebuilding() then
   local ep = seat(id, expiry, ARGV, 6, k)
   if ep then
     count(id, 1)
-    reweigh(id, #ceilings)
     return ep
   end
 end
-local ahead = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
-local turn = turn_of(id, rank, fair[rank + 1], ahead)
+local own = redis.call('ZCARD', account_queue(rank, (account_of(id))))
+local ahead = waiting_upto(rank)
+local turn = turn_of(id, rank, fair[rank + 1], own)
+local held = inflight()
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
 -- checked against may not be written back yet, and a waiter would keep its entry.
 if rebuilding() then
-  return {0, '', inflight, ahead, 0, math.max(1, redis.call('PTTL', REBUILD)), turn}
+  return {0, '', held, ahead, 0, math.max(1, redis.call('PTTL', REBUILD)), turn}
 end
-if may_wait ~= '1' then return {0, '', inflight, ahead, 0, 0, turn} end
+if may_wait ~= '1' then return {0, '', held, ahead, 0, 0, turn} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(max_queue) then return {-1, '', inflight, ahead, 0, 0, turn} end
+if ahead >= tonumber(max_queue) then return {-1, '', held, ahead, 0, 0, turn} end
 local seq = redis.call('INCR', SEQ)
-enqueue(id, rank, seq)
+enqueue(id, rank, tostring(seq), own)
 redis.call('ZADD', QEXP, now + tonumber(waiter_ttl), id)
-return {2, '', inflight, ahead, seq, 0, turn}
+return {2, '', held, ahead, seq, 0, turn}

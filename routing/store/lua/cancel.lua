@@ -7,7 +7,7 @@
 redis.call('ZREM', QEXP, ARGV[1])  -- the first write, not `denyoom` (prelude: `expire`)
 local place = redis.call('ZSCORE', QUEUE, ARGV[1])
 if place then
-  unqueue(ARGV[1])
+  unqueue(ARGV[1], place)
   return turn_of(ARGV[1], math.floor(tonumber(place) / RANK), ARGV[3] == '1')
 end
 local ep, m = find_lease(ARGV[1])

@@ -1,11 +1,19 @@
--- Keep this replica's leases alive, writing back any that Redis lost (restart, failover),
--- and claim the grants of woken waiters. ARGV: 1 ttl_ms, then lease_id/endpoint pairs.
--- Returns the ids that had to be written back.
-local now = now_ms()
-expire(now)
-local expiry = now + tonumber(ARGV[1])
+-- Claim the grants of woken waiters for the full lease TTL (a grant lasts only the claim
+-- time until then), writing back any that Redis lost (restart, failover); several in one
+-- call: a replica gathers the claims of one moment (routing/admission/handback.py).
+-- ARGV: 1 ttl_ms, then lease_id/endpoint pairs. Returns the ids that had to be written back.
+-- Leases and waiters that expired meanwhile are left to the sweeps.
+local expiry = now_ms() + tonumber(ARGV[1])
 local restored = {}
 for i = 2, #ARGV, 2 do
-  if hold(ARGV[i], ARGV[i + 1], expiry) == 1 then restored[#restored + 1] = ARGV[i] end
+  local id, ep = ARGV[i], ARGV[i + 1]
+  local m = id .. ' ' .. ep
+  if redis.call('ZSCORE', LEASES, m) then
+    -- The first write, not `denyoom` (prelude: `expire`).
+    redis.call('HDEL', EP_OF, id)
+    redis.call('ZADD', LEASES, 'XX', expiry, m)
+  elseif hold(id, ep, expiry) == 1 then
+    restored[#restored + 1] = id
+  end
 end
 return restored

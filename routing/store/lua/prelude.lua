@@ -9,9 +9,10 @@
 -- leases   ZSET "lease_id url" -> expiry (ms, Redis TIME): each names its endpoint (an id
 --          or a URL holds no space), so nothing else records where a lease runs
 -- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
--- ep_of    HASH lease_id -> endpoint url, of leases whose member is the id alone (`split`):
---          slots the pump granted to waiters, until their replica claims them (`hold`), so
---          that a grant whose wake-up was lost is found in O(1) (`find_lease`)
+-- ep_of    HASH lease_id -> endpoint url, of the slots the pump granted to waiters until
+--          their replica claims them (claim.lua), so that a grant whose wake-up was lost is
+--          found from its id alone in O(1) (`find_lease`). (A release before this one wrote
+--          such a grant's member as the id alone: `split` still reads it.)
 -- eps      HASH endpoint url -> "max_concurrency penalty", of the endpoints in rotation: the
 --          endpoint index, written by a replica at start, on reload and when health changes
 --          (index.lua), never passed per call
@@ -25,7 +26,9 @@
 --          expiries, for Retry-After), plus 1 while someone may wait in `queue` (set when
 --          it turns empty or not, mended by every sweep): so a release counts its free and
 --          learns whether to pump in one HINCRBY, and the acquire reads it with the loads;
---          and `~v`: the version of the endpoint index (index.lua), absent until it is written.
+--          `~v`: the version of the endpoint index (index.lua), absent until it is written;
+--          and `~w0` `~w1` `~w2`: the waiters queued per tier (`waiting_counts`), which
+--          every change of the queue keeps and every sweep sets from the queue itself
 -- seq      STRING queue sequence
 -- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
 --          waiters of a dead replica leave the queue within the waiter TTL
@@ -34,31 +37,39 @@
 -- wake     the channel granted waiters are woken on
 -- Fair share's keys (prelude's rest) are named the same way. What each script costs, in O()
 -- of the endpoints (n), queue (w) and waiting accounts (a): docs/architecture.md.
-local LEASES = KEYS[1]
-local BASE = string.sub(LEASES, 1, -7)
-local QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
-local QEXP = BASE .. 'qexp'
-local EPS, FREE = BASE .. 'eps', BASE .. 'free'
--- On one Redis, acquire and release may be given an account's key after the model's leases
--- (on a Cluster they are given every key of the model, routing/admission/slots.py
--- `declare_all`, and never an account's: it lives on another node).
-local ACCOUNT = KEYS[#KEYS == 2 and 2 or 0]
 -- The state marker's value when no rebuild window can be open: the common case's test.
 local STEADY = '0'
 -- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
 -- not checked (routing/slots.py `UNBOUND`).
 local UNBOUND = '-'
 local RANK = 1e15
--- `free` was found empty and nothing was added since (`pick`, `rescore`): a later pick in the
--- same script answers without a call (a full model's acquire picks twice).
-local full = false
--- Read once per script (a script runs at one instant): Redis's TIME, and the queue's length
--- (kept by `enqueue` and `unqueue`, the only writers of the queue).
-local clock = nil
-local queue_len = nil
-local function queue_size()
-  if queue_len == nil then queue_len = redis.call('ZCARD', QUEUE) end
-  return queue_len
+local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
+-- Everything below is per call, set by `bind` before a script's own code runs: the keys'
+-- names, and what a call reads once (a call runs at one instant). The scripts run as one
+-- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
+-- else each as a script that binds its own KEYS first.
+local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, QEXP, EPS, FREE, ACCOUNT
+local SEQ, REBUILD, CHANNEL, HELD
+-- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
+-- pick in the same call answers without a call (a full model's acquire picks twice).
+-- `clock`: Redis's TIME. `waits`: the waiters per tier (prelude's rest: `waiting_counts`).
+-- `leases_n`: the model's leases (`inflight`). `touched`: `rescore`'s tie-break.
+-- `rebuild_open`: whether a rebuild window is open (`rebuilding`). `ranks`: how many tiers,
+-- RANKS or as many as the caller's spec names (`parse_spec`).
+local full, clock, waits, leases_n, touched, rebuild_open, ranks
+
+local function bind(keys)
+  LEASES = keys[1]
+  BASE = string.sub(LEASES, 1, -7)
+  QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
+  QEXP = BASE .. 'qexp'
+  EPS, FREE = BASE .. 'eps', BASE .. 'free'
+  SEQ, REBUILD, CHANNEL, HELD = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake', BASE .. 'held'
+  -- On one Redis, acquire and release may be given an account's key after the model's
+  -- leases (on a Cluster they are given every key of the model, routing/admission/slots.py
+  -- `declare_all`, and never an account's: it lives on another node).
+  ACCOUNT = keys[#keys == 2 and 2 or 0]
+  full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
 end
 
 -- @fn now_ms
@@ -84,7 +95,6 @@ end
 -- turns: a score carries when it was set (at most 1e-6, the time within 100 s: far below
 -- one lease's weight), so the endpoint touched longest ago comes first among them.
 -- `spec`: its entry in `eps`, when the caller read it. Returns its size (nil: not in rotation).
-local touched = nil
 local function rescore(ep, load, spec)
   spec = spec or redis.call('HGET', EPS, ep)
   if not spec then return nil end
@@ -143,7 +153,7 @@ local function pick(src, at, k)
       if found[i] then return src[at + i - 1] end
     end
   end
-  local ep = redis.call('ZRANGE', FREE, 0, 0)[1]
+  local ep = redis.call('ZRANGE', FREE, '0', '0')[1]
   full = not ep
   return ep
 end
@@ -191,8 +201,6 @@ end
 
 -- @rest
 
-local SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
-
 -- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
 -- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
 -- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
@@ -202,11 +210,25 @@ local SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
 -- per tier, each waiting account's queue (ZSET waiter -> sequence), and the index of the
 -- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
 -- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
-local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
-local HELD = BASE .. 'held'
-local function account_queue(rank, acct) return BASE .. 'fq:' .. rank .. ':' .. acct end
-local function account_index(rank) return BASE .. 'fi:' .. rank end
-local function member(seq, acct) return string.format('%016d', seq) .. acct end
+-- A tier's rank as text (Lua turns a number into text with sprintf: about 0.5 usec each).
+local RANK_TEXT = {[0] = '0', [1] = '1', [2] = '2'}
+local function rank_text(rank) return RANK_TEXT[rank] or string.format('%d', rank) end
+local function account_queue(rank, acct) return BASE .. 'fq:' .. rank_text(rank) .. ':' .. acct end
+local function account_index(rank) return BASE .. 'fi:' .. rank_text(rank) end
+-- The index's member for an account whose oldest waiter has sequence `seq` (a whole number,
+-- or its digits as Redis wrote them: a score read back, no sprintf needed then).
+local function member(seq, acct)
+  if type(seq) == 'string' and not string.find(seq, '[^0-9]') then
+    return string.rep('0', 16 - #seq) .. seq .. acct
+  end
+  return string.format('%016d', seq) .. acct
+end
+-- A waiter's place in the queue, rank x RANK + seq, as text: the sequence's digits after
+-- the rank's (a sequence stays below RANK: it starts from Redis's clock in ms).
+local function place_of(rank, seq)
+  if rank == 0 then return seq end
+  return rank_text(rank) .. string.rep('0', 15 - #seq) .. seq
+end
 
 -- The account and weight an id carries ('' and 1 for an id without them).
 local function account_of(id)
@@ -214,8 +236,47 @@ local function account_of(id)
   return a or '', tonumber(w) or 1
 end
 
+-- The waiters queued per tier, best first (`~w<rank>` in `ep_load`): read once per script
+-- (`set_waits` where the caller read them with its own HMGET) and kept as the script changes
+-- the queue (`queued_delta`), so that the queue's length, a tier's, and the waiters ahead of
+-- a newcomer cost no call. Every sweep sets them from the queue itself (`mend_waits`): a
+-- replica of the release before queues without counting (a rolling update).
+local function set_waits(values)
+  waits = {}
+  for r = 1, ranks do waits[r] = tonumber(values[r]) or 0 end
+end
+
+local function waiting_counts()
+  if not waits then
+    local fields = {}
+    for r = 1, ranks do fields[r] = '~w' .. rank_text(r - 1) end
+    set_waits(redis.call('HMGET', EP_LOAD, unpack(fields)))
+  end
+  return waits
+end
+
+local function queue_size()
+  local n = 0
+  for _, c in ipairs(waiting_counts()) do n = n + c end
+  return n
+end
+
+-- Waiters of tier `rank` and the better ones.
+local function waiting_upto(rank)
+  local w, n = waiting_counts(), 0
+  for r = 1, rank + 1 do n = n + (w[r] or 0) end
+  return n
+end
+
+-- The model's leases (in flight), read once per script and kept as it grants.
+local function inflight()
+  if not leases_n then leases_n = redis.call('ZCARD', LEASES) end
+  return leases_n
+end
+
 -- A member of `leases`: its lease id and endpoint. A member written before members named
--- their endpoint is the id alone, its endpoint in `ep_of`.
+-- their endpoint (or a grant of the release before this one) is the id alone, its endpoint
+-- in `ep_of`.
 local function split(m)
   local at = string.find(m, ' ', 1, true)
   if at then return string.sub(m, 1, at - 1), string.sub(m, at + 1) end
@@ -230,7 +291,10 @@ end
 local function find_lease(id, scan)
   local ep = redis.call('HGET', EP_OF, id)
   if ep then
-    local expiry = redis.call('ZSCORE', LEASES, id)
+    local m = id .. ' ' .. ep
+    local expiry = redis.call('ZSCORE', LEASES, m)
+    if expiry then return ep, m, expiry end
+    expiry = redis.call('ZSCORE', LEASES, id)  -- a grant of the release before: the id alone
     if expiry then return ep, id, expiry end
   end
   if scan == false then return nil end
@@ -251,31 +315,25 @@ local function find_lease(id, scan)
   return nil
 end
 
--- Forget a lease `find_lease` found (its member `m` on `ep`); 1 if it was there.
-local function drop_found(m, ep)
+-- Forget `id`'s lease that `find_lease` found (its member `m` on `ep`); 1 if it was there.
+local function drop_found(id, m, ep)
   if redis.call('ZREM', LEASES, m) == 0 then return 0 end
-  if not string.find(m, ' ', 1, true) then redis.call('HDEL', EP_OF, m) end
+  redis.call('HDEL', EP_OF, id)
   rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
   return 1
 end
 
--- Keep a lease `find_lease` found until `expiry`. A waiter's grant is claimed so: its member
--- names its endpoint from then on, as every other lease's does.
+-- Keep a lease `find_lease` found until `expiry`: a waiter's grant is claimed so (its entry
+-- in `ep_of` goes; a grant of the release before is written as every other lease is).
+-- Its first write (HDEL) is not `denyoom`: see `expire`.
 local function keep_found(id, ep, m, expiry)
+  redis.call('HDEL', EP_OF, id)
   if m ~= id then
     redis.call('ZADD', LEASES, 'XX', expiry, m)
     return
   end
   redis.call('ZREM', LEASES, id)
-  redis.call('HDEL', EP_OF, id)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
-end
-
--- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits.
-local function count(id, delta)
-  if queue_size() == 0 then return end
-  local acct = account_of(id)
-  if redis.call('HINCRBY', HELD, acct, delta) <= 0 then redis.call('HDEL', HELD, acct) end
 end
 
 -- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`,
@@ -308,43 +366,82 @@ local function recount()
   if #flat > 0 then redis.call('HSET', HELD, unpack(flat)) end
 end
 
+-- One waiter more (`delta` 1) or fewer (-1) in tier `rank`: its count follows; a queue left
+-- empty forgets fair share's counts and says nobody waits.
+local function queued_delta(rank, delta)
+  local w = waiting_counts()
+  local field = '~w' .. rank_text(rank)
+  local n = redis.call('HINCRBY', EP_LOAD, field, delta > 0 and '1' or '-1')
+  if n < 0 then  -- counted before by a replica that did not count (a rolling update)
+    redis.call('HSET', EP_LOAD, field, '0')
+    n = 0
+  end
+  w[rank + 1] = n
+  if delta < 0 and queue_size() == 0 then
+    redis.call('DEL', HELD)
+    mark_waiting(false)
+  end
+end
+
 -- Put `acct`'s entry in the index of `rank` right: after its oldest waiter or its leases
 -- changed. `old`: its member before, when known to be in the index.
 local function reindex(rank, acct, weight, old)
   local queue = account_queue(rank, acct)
-  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  local head = redis.call('ZRANGE', queue, '0', '0', 'WITHSCORES')
   local index = account_index(rank)
   if old then redis.call('ZREM', index, old) end
   if not head[1] then return end
   local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
-  redis.call('ZADD', index, string.format('%.17g', ratio), member(tonumber(head[2]), acct))
+  redis.call('ZADD', index, ratio, member(head[2], acct))
 end
 
--- The account's leases changed: its entries in every tier's index follow (a no-op for an
--- account that waits nowhere). `ranks`: how many tiers; `skip`: a tier whose entry is right
--- already (reindexed after the change).
-local function reweigh(id, ranks, skip)
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits,
+-- and the account's entries in the indexes of the tiers it waits in follow (`skip`: a tier
+-- whose entry the caller sets itself). Only tiers with waiters are looked at: one call per
+-- tier the account waits in. Returns the account, its weight and what it holds now (nil
+-- while nobody waits).
+local function count(id, delta, skip)
+  if queue_size() == 0 then return nil end
   local acct, weight = account_of(id)
-  for rank = 0, ranks - 1 do
-    local head = rank ~= skip and
-      redis.call('ZRANGE', account_queue(rank, acct), 0, 0, 'WITHSCORES') or {}
-    if head[1] then reindex(rank, acct, weight, member(tonumber(head[2]), acct)) end
+  local held = redis.call('HINCRBY', HELD, acct, delta > 0 and '1' or '-1')
+  if held <= 0 then
+    redis.call('HDEL', HELD, acct)
+    held = 0
   end
+  for rank, n in ipairs(waits) do
+    rank = rank - 1
+    if rank ~= skip and n > 0 then
+      local head = redis.call('ZRANGE', account_queue(rank, acct), '0', '0', 'WITHSCORES')
+      if head[1] then redis.call('ZADD', account_index(rank), held / weight, member(head[2], acct)) end
+    end
+  end
+  return acct, weight, held
 end
 
--- Queue `id` at `seq` in tier `rank`: in the model's queue, its account's and the index.
-local function enqueue(id, rank, seq)
+-- Queue `id` at `seq` (its digits, as text) in tier `rank`: in the model's queue, its
+-- account's and the index. `own`: how many its account had queued in the tier before, when
+-- the caller read it (a newcomer, whose sequence is the newest: it heads its account's
+-- queue only when that was empty); nil for a waiter queued again at its old place (the
+-- sweep), which may head it.
+local function enqueue(id, rank, seq, own)
   if queue_size() == 0 then
     recount()
     mark_waiting(true)
   end
-  queue_len = queue_len + redis.call('ZADD', QUEUE, rank * RANK + seq, id)
+  if redis.call('ZADD', QUEUE, place_of(rank, seq), id) == 1 then queued_delta(rank, 1) end
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
-  local head = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  if own and own > 0 then
+    redis.call('ZADD', queue, seq, id)
+    return
+  end
+  local head = own and {} or redis.call('ZRANGE', queue, '0', '0', 'WITHSCORES')
   redis.call('ZADD', queue, seq, id)
-  if head[1] == nil or seq < tonumber(head[2]) then
-    reindex(rank, acct, weight, head[1] and member(tonumber(head[2]), acct))
+  if head[1] == nil or tonumber(seq) < tonumber(head[2]) then
+    local index = account_index(rank)
+    if head[1] then redis.call('ZREM', index, member(head[2], acct)) end
+    local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
+    redis.call('ZADD', index, ratio, member(seq, acct))
   end
 end
 
@@ -355,13 +452,9 @@ local function unqueue(id, place)
   redis.call('ZREM', QEXP, id)
   place = place or redis.call('ZSCORE', QUEUE, id)
   if not place then return end
-  queue_len = queue_size() - 1  -- read before the ZREM, if not known yet
   redis.call('ZREM', QUEUE, id)
-  if queue_len == 0 then
-    redis.call('DEL', HELD)
-    mark_waiting(false)
-  end
   local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
+  queued_delta(rank, -1)
   local acct, weight = account_of(id)
   local queue = account_queue(rank, acct)
   redis.call('ZREM', queue, id)
@@ -371,34 +464,68 @@ end
 
 -- How many grants likely go before a newcomer `id` of tier `rank`: the waiters of the same
 -- or a better tier; in a `fair` tier the better tiers' waiters, its own account's waiters in
--- the tier, and for each other waiting account as many as its turn takes ((own + 1) /
--- weight each, as if the others weighed 1 and held as many slots), at most the whole tier.
-local function turn_of(id, rank, fair, ahead)
-  ahead = ahead or redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score((rank + 1) * RANK))
+-- the tier (`own`, when the caller counted them), and for each other waiting account as
+-- many as its turn takes ((own + 1) / weight each, as if the others weighed 1 and held as
+-- many slots), at most the whole tier.
+local function turn_of(id, rank, fair, own)
+  local ahead = waiting_upto(rank)
   if not fair then return ahead end
-  local better = redis.call('ZCOUNT', QUEUE, '-inf', '(' .. score(rank * RANK))
+  local better = ahead - (waiting_counts()[rank + 1] or 0)
   local acct, weight = account_of(id)
-  local own = redis.call('ZCARD', account_queue(rank, acct))
+  own = own or redis.call('ZCARD', account_queue(rank, acct))
   local others = redis.call('ZCARD', account_index(rank)) - math.min(own, 1)
   return better + math.min(ahead - better, own + math.ceil((own + 1) / weight) * others)
 end
 
 -- The oldest waiter of the account with the best claim in tier `rank` (fewest leases held
--- relative to its weight, then the oldest waiter), and its place in the queue; or nil. Entries left stale (a waiter
--- Redis no longer queues) are mended on the way.
+-- relative to its weight, then the oldest waiter), as {id, place, rank, acct, entry: its
+-- account's member of the index, next: the sequence of the account's next waiter or nil};
+-- nil when no account waits there. An entry left stale (its account's queue empty) is
+-- dropped on the way.
 local function fair_head(rank)
   local index = account_index(rank)
   for _ = 1, 64 do
-    local best = redis.call('ZRANGE', index, 0, 0)[1]
+    local best = redis.call('ZRANGE', index, '0', '0')[1]
     if not best then return nil end
     local acct = string.sub(best, 17)
-    local head = redis.call('ZRANGE', account_queue(rank, acct), 0, 0)[1]
-    local place = head and redis.call('ZSCORE', QUEUE, head)
-    if place then return head, place end
-    if head then redis.call('ZREM', account_queue(rank, acct), head) end
-    reindex(rank, acct, select(2, account_of(head or '')), best)
+    local two = redis.call('ZRANGE', account_queue(rank, acct), '0', '1', 'WITHSCORES')
+    if two[1] then
+      return {id = two[1], rank = rank, acct = acct, entry = best, next = two[4]}
+    end
+    redis.call('ZREM', index, best)
   end
   return nil
+end
+
+-- The fair head `h` (`fair_head`) leaves the queue, its account holding `held` leases now:
+-- its account's next waiter, if any, stands for the account in the index.
+local function take_head(h, held)
+  redis.call('ZREM', QEXP, h.id)
+  redis.call('ZREM', QUEUE, h.id)
+  queued_delta(h.rank, -1)
+  redis.call('ZREM', account_queue(h.rank, h.acct), h.id)
+  local index = account_index(h.rank)
+  redis.call('ZREM', index, h.entry)
+  if h.next then
+    local _, weight = account_of(h.id)
+    redis.call('ZADD', index, (held or 0) / weight, member(h.next, h.acct))
+  end
+end
+
+-- Reclaim leases whose holder stopped refreshing them (their replica died): one call when
+-- there are none.
+local function reclaim(now)
+  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)
+  if #gone == 0 then return end
+  leases_n = nil
+  for _, m in ipairs(gone) do
+    local id, ep = split(m)
+    redis.call('ZREM', LEASES, m)
+    if ep then rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
+    redis.call('HDEL', EP_OF, id)
+    count(id, -1)
+  end
+  redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone)
 end
 
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
@@ -406,47 +533,37 @@ end
 -- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
 -- admission and release keep working when Redis is full (usage records, whose script
 -- writes first with SET, are refused then and wait in the spool). So every model script
--- writes first either here or with another such write (ZREM: `drop_lease`, `unqueue`).
--- The sweep, claim and move run it on every call; acquire and release only when the model
--- may be full or has waiters (else leases that expired meanwhile wait for the sweep).
+-- writes first either here or with another such write (ZREM, HDEL: `drop_lease`,
+-- `unqueue`, `keep_found`). The sweep and move run it on every call; an acquire that may
+-- find the model full only reclaims leases (`reclaim`); a release reclaims nothing (the
+-- sweeps do, within a second).
 -- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
--- `ranks`: the number of tiers, from the caller's spec (else those of tiers/policy.py).
-local function expire(now, waiting, ranks)
+local function expire(now, waiting)
   local late = {}
-  local upto = now
-  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', QEXP, '-inf', upto) end
-  redis.call('ZREMRANGEBYSCORE', QEXP, '-inf', upto)
+  if waiting ~= false then late = redis.call('ZRANGEBYSCORE', QEXP, '-inf', now) end
+  redis.call('ZREMRANGEBYSCORE', QEXP, '-inf', now)
   for _, id in ipairs(late) do unqueue(id) end
-  local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', upto)
-  for i, m in ipairs(gone) do
-    local id, ep = split(m)
-    redis.call('ZREM', LEASES, m)
-    if ep then rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
-    if id == m then redis.call('HDEL', EP_OF, id) end
-    count(id, -1)
-    gone[i] = id
-  end
-  if #gone > 0 and queue_size() > 0 then
-    for _, id in ipairs(gone) do reweigh(id, ranks or RANKS) end
-  end
-  if #gone > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone) end
+  reclaim(now)
 end
 
--- The waiter of the best tier that may take a slot now and its place, or nil: in a `fair`
--- tier the oldest
--- of the account with the best claim (`fair_head`), else the tier's oldest. A tier whose own
--- ceiling is reached does not hold up the tiers behind it (a priority ceiling set below
--- default's must not stall the default queue).
-local function eligible_head(inflight, ceilings, fair)
+-- The waiter of the best tier that may take a slot now (a `fair_head` record, or {id, place,
+-- rank} in a first-come tier), or nil. A tier's ceiling is checked only where it binds
+-- (below the endpoints' sum: prelude `UNBOUND`); a tier whose own ceiling is reached does
+-- not hold up the tiers behind it (a priority ceiling set below default's must not stall
+-- the default queue). Tiers with no waiter cost nothing.
+local function eligible_head(ceilings, fair)
+  local w = waiting_counts()
   for rank = 0, #ceilings - 1 do
-    if inflight < ceilings[rank + 1] then
+    local ceiling = ceilings[rank + 1]
+    if (w[rank + 1] or 0) > 0 and (ceiling == math.huge or inflight() < ceiling) then
       -- A tier's waiters queued by scripts without account queues go after the others.
-      local head = fair[rank + 1] and {fair_head(rank)} or {}
-      if not head[1] then
-        head = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
+      local head = fair[rank + 1] and fair_head(rank)
+      if not head then
+        local found = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
           '(' .. score((rank + 1) * RANK), 'WITHSCORES', 'LIMIT', 0, 1)
+        if found[1] then head = {id = found[1], place = found[2], rank = rank} end
       end
-      if head[1] then return head[1], head[2] end
+      if head then return head end
     end
   end
   return nil
@@ -455,11 +572,15 @@ end
 -- Redis lost this model's state (restart, failover) and replicas are writing back what they
 -- hold: until all had a sweep to do so, free-looking slots may be held by requests running.
 -- Read once per script: only `open_window` sets it during one (and Redis's clock, so its
--- expiry, stands still while a script runs).
-local rebuild_open = nil
+-- expiry, stands still while a script runs). A caller that read the state marker tells
+-- `steady` what it found: '0' means no window can be open, no call needed.
 local function rebuilding()
   if rebuild_open == nil then rebuild_open = redis.call('EXISTS', REBUILD) == 1 end
   return rebuild_open
+end
+
+local function steady(marker)
+  if marker == STEADY then rebuild_open = false end
 end
 
 -- Open the rebuild window for `ms`: the state marker says so too (the common case then
@@ -484,12 +605,28 @@ local function lost(now, known, rebuild_ms, present)
   return true
 end
 
+-- The waiter `head` (`eligible_head`) takes a slot on `ep` (counted there already): it
+-- leaves the queue, its account holds one more, and its replica is woken by message. Its
+-- lease ("id endpoint", as every lease) lasts only `claim_until` (ms, as text) until its
+-- replica claims it (a grant to a replica that died goes back quickly); `ep_of` finds it
+-- from the id alone meanwhile (`find_lease`).
+local function grant_head(head, ep, claim_until)
+  local id = head.id
+  if leases_n then leases_n = leases_n + 1 end
+  -- Counted first: the head's account holds one more (its entries in the other tiers
+  -- follow), then its entry in this tier moves to its next waiter.
+  local _, _, held = count(id, 1, head.rank)
+  if head.entry then take_head(head, held) else unqueue(id, head.place) end
+  local m = id .. ' ' .. ep
+  redis.call('ZADD', LEASES, claim_until, m)
+  redis.call('HSET', EP_OF, id, ep)
+  redis.call('PUBLISH', CHANNEL, m)
+end
+
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
--- A granted waiter's lease lasts only `claim` ms until its replica claims it (a grant to a
--- replica that died goes back quickly); its member is its id alone, its endpoint in `ep_of`
--- (`find_lease`). ceilings[rank + 1] = capacity x max_utilization; fair[rank + 1]: whether
--- that tier shares between accounts.
-local function pump(now, claim, ceilings, fair)
+-- `claim_until`: when a grant goes back unless claimed (ms, as text). ceilings[rank + 1] =
+-- capacity x max_utilization; fair[rank + 1]: whether that tier shares between accounts.
+local function pump(claim_until, ceilings, fair)
   if queue_size() == 0 or rebuilding() then return 0 end
   local granted = 0
   while true do
@@ -497,22 +634,31 @@ local function pump(now, claim, ceilings, fair)
     -- pump under load), where finding the head takes several.
     local ep = pick(nil, 0, 0)
     if not ep then break end
-    local id, place = eligible_head(redis.call('ZCARD', LEASES), ceilings, fair)
-    if not id then break end
+    local head = eligible_head(ceilings, fair)
+    if not head then break end
     if take_slot(ep) then  -- else `free` had it wrong: it left, the next is tried
-      -- Counted first: leaving the queue reindexes its tier's entry (the head is its
-      -- account's oldest there) with the lease already counted; the other tiers follow.
-      count(id, 1)
-      local rank = math.floor(tonumber(place) / RANK)
-      unqueue(id, place)
-      redis.call('ZADD', LEASES, now + claim, id)
-      redis.call('HSET', EP_OF, id, ep)
-      reweigh(id, #ceilings, rank)
-      redis.call('PUBLISH', CHANNEL, id .. ' ' .. ep)
+      grant_head(head, ep, claim_until)
       granted = granted + 1
     end
   end
   return granted
+end
+
+-- A slot given back on `ep`, its load not taken back yet, goes straight to the best waiter
+-- when no endpoint has room (`free` is empty, so `ep` holds the only slot the pump could
+-- give) and `ep` is still in rotation at a size that holds its count: what the pump would
+-- do, without taking the load back and counting it again (three reads, where that takes
+-- eight calls). Returns whether it did.
+local function hand_on(ep, claim_until, ceilings, fair)
+  if rebuilding() or pick(nil, 0, 0) then return false end
+  local spec = redis.call('HGET', EPS, ep)
+  if not spec then return false end
+  local size = tonumber(string.sub(spec, 1, string.find(spec, ' ', 1, true) - 1))
+  if (tonumber(redis.call('HGET', EP_LOAD, ep)) or 0) > size then return false end
+  local head = eligible_head(ceilings, fair)
+  if not head then return false end
+  grant_head(head, ep, claim_until)
+  return true
 end
 
 -- A lease this replica holds: kept for `ttl` ms more (a waiter's grant claimed so, see
@@ -520,8 +666,9 @@ end
 -- had to be written back.
 local function hold(id, ep, expiry)
   unqueue(id)
-  if redis.call('ZSCORE', LEASES, id .. ' ' .. ep) then
-    redis.call('ZADD', LEASES, 'XX', expiry, id .. ' ' .. ep)
+  local m = id .. ' ' .. ep
+  if redis.call('ZSCORE', LEASES, m) then
+    redis.call('ZADD', LEASES, 'XX', expiry, m)
     return 0
   end
   local granted = redis.call('HGET', EP_OF, id)
@@ -550,6 +697,9 @@ end
 local function parse_spec(t, at)
   local a = (at or 1) - 1
   local n = tonumber(t[a + 2])
+  if n ~= ranks then
+    ranks, waits = n, nil
+  end
   local ceilings, fair = {}, {}
   for i = 1, n do
     ceilings[i] = tonumber(t[a + 2 + i]) or math.huge  -- UNBOUND

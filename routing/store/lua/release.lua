@@ -6,43 +6,70 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
--- @needs rescore drop_lease
-local freed, unsure = {}, {}
+-- @needs rescore
+local freed, on, unsure = {}, {}, {}
 for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   local id, ep = ARGV[i], ARGV[i + 1]
-  -- A lease is never queued at the same time: a waiter leaves the queue when granted.
-  if ep ~= '' and drop_lease(id, ep) == 1 then freed[#freed + 1] = id else unsure[#unsure + 1] = id end
+  -- A lease is never queued at the same time: a waiter leaves the queue when granted. The
+  -- first write, ZREM, is not `denyoom` (prelude: `expire`).
+  if ep ~= '' and redis.call('ZREM', LEASES, id .. ' ' .. ep) == 1 then
+    freed[#freed + 1], on[#on + 1] = id, ep
+  else
+    unsure[#unsure + 1] = id
+  end
   if ACCOUNT then redis.call('ZREM', ACCOUNT, id) end
 end
 -- The frees counted, and whether anyone may wait, in one call (prelude: `~f`; text for the
--- common one: a number costs a conversion). Nobody waits: nothing to hand on, and expired
--- leases wait for the sweep.
+-- common one: a number costs a conversion). Nobody waits: the endpoints' loads go back, and
+-- there is nothing to hand on (expired leases wait for the sweep). Someone waits: the rest
+-- hands each slot on, on its endpoint when no other has room (prelude: `hand_on`).
+local waiting = true
 if #freed > 0 then
   local marks = redis.call('HINCRBY', EP_LOAD, '~f', #freed == 1 and '2' or 2 * #freed)
-  if #unsure == 0 and marks % 2 == 0 then return 0 end
+  waiting = marks % 2 == 1
+  if not waiting then
+    for i, ep in ipairs(on) do rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
+    if #unsure == 0 then return 0 end
+  end
 end
 -- @rest
 local now = now_ms()
 local claim, ceilings, fair = parse_spec(words(ARGV[1]))
+local claim_until = (now + claim) .. ''
+-- The state marker and the waiters per tier, in one call (prelude: `ep_load`).
+local fields = {'~s'}
+for r = 1, #ceilings do fields[r + 1] = '~w' .. rank_text(r - 1) end
+local state = redis.call('HMGET', EP_LOAD, unpack(fields))
+steady(state[1])
+set_waits({unpack(state, 2)})
 -- An id not found where the caller said (or it did not know): a waiter still queued, else
 -- a lease elsewhere (granted while it waited, or moved; prelude: `find_lease`).
-local found = 0
+local found = {}
 for _, id in ipairs(unsure) do
   local ep, m
-  if not redis.call('ZSCORE', QUEUE, id) then ep, m = find_lease(id) end
-  if ep and drop_found(m, ep) == 1 then
-    freed[#freed + 1] = id
-    found = found + 1
+  local place = redis.call('ZSCORE', QUEUE, id)
+  if not place then ep, m = find_lease(id) end
+  if ep and drop_found(id, m, ep) == 1 then
+    found[#found + 1] = id
   else
-    unqueue(id)
+    unqueue(id, place)  -- (its first write, ZREM, is not `denyoom`: prelude `expire`)
   end
 end
-if found > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * found) end
-if queue_size() == 0 then return 0 end
--- The accounts that gave slots back have a better claim now (fair share).
-for _, id in ipairs(freed) do
-  count(id, -1)
-  reweigh(id, #ceilings)
+if #found > 0 then redis.call('HINCRBY', EP_LOAD, '~f', 2 * #found) end
+-- Someone waits (or may, by `~f`): the accounts that gave slots back have a better claim
+-- now (fair share), then each slot goes on, or its load back.
+for _, id in ipairs(found) do count(id, -1) end
+local granted = 0
+if waiting then
+  for _, id in ipairs(freed) do count(id, -1) end
+  for _, ep in ipairs(on) do
+    if hand_on(ep, claim_until, ceilings, fair) then
+      granted = granted + 1
+    else
+      rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
+    end
+  end
 end
-expire(now, nil, #ceilings)
-return pump(now, claim, ceilings, fair)
+if queue_size() == 0 then return granted end
+-- Leases that expired meanwhile are left to the sweeps (each reclaims within a second).
+return granted + pump(claim_until, ceilings, fair)

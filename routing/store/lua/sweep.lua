@@ -22,11 +22,34 @@ local function in_account_queue(id, place)
   return redis.call('ZSCORE', account_queue(rank, (account_of(id))), id) ~= false
 end
 
+-- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
+-- differ: whatever slipped (a replica of the release before queues without counting). A
+-- queue found waiting where the counts said empty has its fair-share counts made afresh.
+local function mend_waits(waiting)
+  local real, was, now_total, changed = {}, 0, 0, false
+  local w = waiting_counts()
+  for rank = 0, ranks - 1 do
+    real[rank + 1] = waiting and
+      redis.call('ZCOUNT', QUEUE, rank * RANK, '(' .. score((rank + 1) * RANK)) or 0
+    was, now_total = was + (w[rank + 1] or 0), now_total + real[rank + 1]
+    changed = changed or real[rank + 1] ~= w[rank + 1]
+  end
+  if not changed then return end
+  if was == 0 and now_total > 0 then recount() end
+  local flat = {}
+  for rank = 0, ranks - 1 do
+    flat[#flat + 1] = '~w' .. rank
+    flat[#flat + 1] = real[rank + 1]
+  end
+  redis.call('HSET', EP_LOAD, unpack(flat))
+  set_waits(real)
+end
+
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
-local waiting = queue_size() > 0
+local waiting = redis.call('ZCARD', QUEUE) > 0
 local claim, ceilings, fair = parse_spec(words(ARGV[3]))
-expire(now, waiting, #ceilings)
+expire(now, waiting)
 local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local at = 4
@@ -64,7 +87,7 @@ for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
       if not place then requeued = requeued + 1 end
       place = place or ARGV[i + 1]
       local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
-      enqueue(id, rank, seq)
+      enqueue(id, rank, score(seq))
       redis.call('ZADD', QEXP, now + wttl, id)
       if tonumber(redis.call('GET', SEQ) or '0') < seq then redis.call('SET', SEQ, seq) end
     end
@@ -80,14 +103,8 @@ for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
   rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
 end
 waiting = waiting or requeued > 0
-if waiting then
-  for _, id in ipairs(restored) do reweigh(id, #ceilings) end
-  pump(now, claim, ceilings, fair)
-end
-local function queued(rank)
-  if not waiting then return 0 end
-  return redis.call('ZCOUNT', QUEUE, rank * RANK, '(' .. score((rank + 1) * RANK))
-end
+mend_waits(waiting)
+if waiting then pump((now + claim) .. '', ceilings, fair) end
 -- The waiting bit the common cases read, set right (it is kept at each change of the
 -- queue between empty and not; a sweep mends whatever slipped).
 local marks = mark_waiting(queue_size() > 0)
@@ -103,7 +120,7 @@ if state[1] == 0 then
     end
   end
 end
-for rank = 0, #ceilings - 1 do state[#state + 1] = queued(rank) end
+for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
 return {state, restored, granted}
