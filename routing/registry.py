@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator, model_validator
 
@@ -29,6 +30,12 @@ class EndpointConfig(BaseModel):
     api_key: str | None = Field(None, repr=False)
     # Read the worker's /metrics (vLLM's queue and KV-cache gauges) to prefer idle workers.
     metrics: bool = False
+    # The worker's KV cache in tokens: admission holds the requests' reservations (prompt
+    # estimate + output cap) on it to this; `auto`: read from the worker's /metrics
+    # (vLLM's `vllm:cache_config_info`, num_gpu_blocks x block_size). Absent: no budget.
+    max_tokens_in_flight: Annotated[int, Field(ge=1, le=1_000_000_000)] | Literal["auto"] | None = (
+        None
+    )
 
     @field_validator("api_key")
     @classmethod
@@ -39,6 +46,19 @@ class EndpointConfig(BaseModel):
     @property
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
+
+
+class AdaptiveConfig(BaseModel):
+    """An endpoint's token budget shrinks when its worker says it is overfull (requests
+    waiting, or its KV cache above `kv_threshold`) and grows back while it is not
+    (multiplicative decrease, additive increase), never below `min_fraction` of it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    min_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    waiting_threshold: int = Field(1, ge=1, le=1_000_000)
+    kv_threshold: float = Field(0.95, gt=0.0, le=1.0)
 
 
 class PriceConfig(BaseModel):
@@ -60,6 +80,10 @@ class ModelConfig(BaseModel):
     # Hash tags the endpoints are split over (routing/admission/partitions.py): one hot
     # model's admissions spread over that many Redis Cluster masters.
     partitions: int = Field(1, ge=1, le=64)
+    # What a request that names no max_tokens reserves for its answer on a token budget;
+    # also the most any request reserves for it (its max_tokens above this is not reserved).
+    max_tokens_default: int = Field(1024, ge=1, le=10_000_000)
+    adaptive: AdaptiveConfig = AdaptiveConfig()
 
     @model_validator(mode="after")
     def _partitions_have_endpoints(self) -> ModelConfig:
@@ -90,6 +114,11 @@ class Model:
     @property
     def capacity(self) -> int:
         return sum(e.max_concurrency for e in self.config.endpoints)
+
+    @property
+    def token_budgets(self) -> bool:
+        """Whether any of its endpoints holds requests to a token budget."""
+        return any(e.max_tokens_in_flight is not None for e in self.config.endpoints)
 
 
 class Registry:

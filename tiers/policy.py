@@ -65,8 +65,9 @@ class TierPolicy(BaseModel):
     queue_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     price_multiplier: float = Field(1.0, ge=0.0, le=100.0)
     # Who a freed slot goes to among this tier's waiters: the account with the fewest of the
-    # model's slots per weight (then its oldest waiter), or plain arrival order.
-    fairness: Literal["accounts", "fifo"] = "accounts"
+    # model's slots per weight (then its oldest waiter), the fewest tokens reserved per
+    # weight, or plain arrival order.
+    fairness: Literal["accounts", "tokens", "fifo"] = "accounts"
 
 
 _DEFAULTS = {tier.value: spec.defaults() for tier, spec in TIERS.items()}

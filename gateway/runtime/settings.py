@@ -93,11 +93,24 @@ class KeyConfig(BaseModel):
     weight: float = Field(1.0, gt=0.0, le=MAX_WEIGHT)
     models: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] | None = None
+    # This key's own rate limits: requests and tokens (prompt + completion) per minute.
+    rpm: int | None = Field(None, ge=1, le=1_000_000_000)
+    tpm: int | None = Field(None, ge=1, le=1_000_000_000_000)
 
     @field_validator("sha256")
     @classmethod
     def _lower(cls, digest: str) -> str:
         return digest.lower()
+
+
+class AccountConfig(BaseModel):
+    """What an account as a whole may use, over all its keys: requests and tokens (prompt +
+    completion) per minute."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: int | None = Field(None, ge=1, le=1_000_000_000)
+    tpm: int | None = Field(None, ge=1, le=1_000_000_000_000)
 
 
 class GatewayConfig(BaseModel):
@@ -112,6 +125,8 @@ class GatewayConfig(BaseModel):
     tiers: TiersConfig = TiersConfig()
     models: dict[str, ModelConfig] = Field(min_length=1)
     keys: tuple[KeyConfig, ...] = ()
+    # Limits of accounts as a whole, by account name (keys name their account).
+    accounts: dict[str, AccountConfig] = {}
     # On SIGTERM: stop taking requests, let those in flight finish for up to this long.
     shutdown_grace_s: float = Field(30.0, ge=0, le=3600)
 

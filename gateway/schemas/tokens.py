@@ -1,0 +1,64 @@
+"""What a request will hold of a worker's KV cache, estimated from its body before any
+worker sees it (docs/api.md, token budgets): its prompt's tokens, and the answer it asks
+for. Cheap on purpose (no tokenizer): the bytes of its text over 4, which overestimates
+plain English (about 4.5 bytes a token with its space) and code alike; the reservation's
+error never accumulates, since a release gives back exactly what was reserved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.schemas.chat import ChatRequest, ImageUrlPart, OtherPart, TextPart
+from gateway.schemas.common import GatewayRequest
+from gateway.schemas.completions import CompletionRequest
+
+BYTES_PER_TOKEN = 4
+# What a chat template adds around each message (role markers, separators).
+PER_MESSAGE = 4
+# An image, audio or video part: what its encoder adds, roughly (its bytes say nothing).
+PER_MEDIA = 1024
+
+
+def prompt_tokens(request: GatewayRequest) -> int:
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        return len(prompt) if isinstance(prompt, list) else _text(prompt)
+    if isinstance(request, ChatRequest):
+        total = 0
+        for message in request.messages:
+            total += PER_MESSAGE + _content(message.content)
+            for call in getattr(message, "tool_calls", None) or ():
+                total += _text(call.function.name) + _text(call.function.arguments)
+        return total
+    return 0
+
+
+def output_tokens(request: GatewayRequest) -> int | None:
+    """The answer's length the caller asked for (max_tokens, or chat's
+    max_completion_tokens), None when it named none."""
+    if request.max_tokens is not None:
+        return int(request.max_tokens)
+    extra = request.model_extra or {}
+    named = extra.get("max_completion_tokens")
+    if isinstance(named, int) and not isinstance(named, bool) and named > 0:
+        return named
+    return None
+
+
+def _content(content: Any) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return _text(content)
+    total = 0
+    for part in content:
+        if isinstance(part, TextPart):
+            total += _text(part.text)
+        elif isinstance(part, ImageUrlPart | OtherPart):
+            total += PER_MEDIA
+    return total
+
+
+def _text(text: str) -> int:
+    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
