@@ -380,7 +380,7 @@ def test_tiers_share_between_accounts_unless_told_fifo() -> None:
 
 
 def test_unknown_fairness_rejected() -> None:
-    message = config_error(config_dict(tiers={"default": {"fairness": "tokens"}}))
+    message = config_error(config_dict(tiers={"default": {"fairness": "requests"}}))
     assert "tiers.default.fairness" in message
 
 
