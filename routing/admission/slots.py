@@ -104,6 +104,9 @@ def account_key(account: str) -> str:
 _MODEL_KEYS = (
     "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
 )  # fmt: skip
+# An endpoint in rotation as admission knows it: (url, max_concurrency, load penalty), and
+# its token budget (tokens of KV cache its requests may reserve; None: none) where it has one.
+EndpointSpec = tuple[str, int, float] | tuple[str, int, float, int | None]
 # Endpoints a sweep checks the place in `free` of, in turn (`ModelSlots._recheck`).
 RECHECK = 8
 # How many endpoints prefix-cache affinity prefers for a key (small and fixed: an acquire
@@ -149,10 +152,11 @@ class ModelSlots:
         self.seen_queue: dict[Tier, int] = {}
         # The model's endpoints as configured (None: not told); see `_ceiling`.
         self.configured: frozenset[str] | None = None
-        self._spec: dict[str, tuple[int, float]] = {}
+        # url -> (max_concurrency, penalty, token budget or 0).
+        self._spec: dict[str, tuple[int, float, int]] = {}
         # The index as this replica last wrote it (None: to be written whole), and its
         # version: a change applies only over that (routing/store/lua/index.lua).
-        self._written: dict[str, tuple[int, float]] | None = None
+        self._written: dict[str, tuple[int, float, int]] | None = None
         self._written_version = ""
         self.version = ""
         self.ring = Ring(())
@@ -176,14 +180,17 @@ class ModelSlots:
         self._fair = "".join("a" if fair is None or fair[t] else "f" for t in BY_RANK)
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
-    def set_endpoints(self, endpoints: Sequence[tuple[str, int, float]]) -> None:
-        """The endpoints in rotation: (url, max_concurrency, load penalty). Redis learns
-        them from the next `index` call."""
-        self.capacity = sum(size for _, size, _ in endpoints)
-        urls = [url for url, _, _ in endpoints]
+    def set_endpoints(self, endpoints: Sequence[EndpointSpec]) -> None:
+        """The endpoints in rotation (`EndpointSpec`). Redis learns them from the next
+        `index` call."""
+        specs = [_spec_of(e) for e in endpoints]
+        self.capacity = sum(size for _, (size, _, _) in specs)
+        urls = [url for url, _ in specs]
         self.ring = self.ring.changed(urls)
         self.urls = urls
-        self._spec = {url: (size, round(penalty, 4)) for url, size, penalty in endpoints}
+        self._spec = dict(specs)
+        # Whether any endpoint holds a token budget: requests then carry a reservation.
+        self.budgeted = any(budget for _, (_, _, budget) in specs)
         # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
@@ -192,7 +199,7 @@ class ModelSlots:
         # tiers share between accounts.
         self._pump_spec = " ".join(map(str, [self._timing.claim_ms, *self._ceilings, self._fair]))
         # The index's version: its endpoints and sizes (penalties change too often to count).
-        sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _) in self._spec.items()))
+        sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _, _) in self._spec.items()))
         self.version = hashlib.blake2b(sizes.encode(), digest_size=8).hexdigest()
 
     def index(self) -> Call | None:
@@ -324,6 +331,13 @@ class ModelSlots:
             urls = [""]  # none to choose from: a name no endpoint has
         args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls]
         return ("move", self._key, args)
+
+
+def _spec_of(endpoint: EndpointSpec) -> tuple[str, tuple[int, float, int]]:
+    """An endpoint's entry in the index as this replica writes it: its size, its penalty
+    (to 4 places: finer changes are not worth a write) and its token budget (0: none)."""
+    budget = endpoint[3] if len(endpoint) > 3 else None
+    return endpoint[0], (endpoint[1], round(endpoint[2], 4), int(budget or 0))
 
 
 def attempt(reply: Any) -> Attempt:

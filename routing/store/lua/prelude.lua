@@ -98,15 +98,15 @@ end
 local function rescore(ep, load, spec)
   spec = spec or redis.call('HGET', EPS, ep)
   if not spec then return nil end
-  local at = string.find(spec, ' ', 1, true)
-  local size = tonumber(string.sub(spec, 1, at - 1))
+  local size, penalty = string.match(spec, '^(%S+) (%S+)')
+  size = tonumber(size)
   if load < size then
     if not touched then
       clock = clock or redis.call('TIME')
       local t = clock
       touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
     end
-    redis.call('ZADD', FREE, load / size + tonumber(string.sub(spec, at + 1)) + touched, ep)
+    redis.call('ZADD', FREE, load / size + tonumber(penalty) + touched, ep)
     full = false
   else
     redis.call('ZREM', FREE, ep)
