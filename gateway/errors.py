@@ -14,6 +14,7 @@ from routing.errors import (
     Limited,
     LimitReason,
     RoutingError,
+    TooLarge,
     Unavailable,
     UnavailableReason,
     UnknownModel,
@@ -121,6 +122,15 @@ class RateLimited(GatewayError):
         self.retry_after_s = max(1, retry_after_s)
 
 
+class ContextTooLarge(GatewayError):
+    """The request needs more of a worker's KV cache (its prompt and its answer) than any
+    endpoint of its models holds: it could never be served, so it is not queued."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "context_too_large"
+
+
 class WorkerRejected(GatewayError):
     """The worker's own 4xx (e.g. prompt too long): passed through with its status."""
 
@@ -205,6 +215,11 @@ def from_routing(exc: RoutingError) -> GatewayError:
         error = ServiceUnavailable(exc.message, reason=exc.reason)
     elif isinstance(exc, UnknownModel):
         error = ModelNotFound(exc.message)
+    elif isinstance(exc, TooLarge):
+        # It never fits: the OpenAI SDK would retry it otherwise (x-should-retry says no).
+        error = ContextTooLarge(
+            exc.message, param="max_tokens", headers={"x-should-retry": "false"}
+        )
     else:
         # The nearest mapped class: a new kind of worker failure answers as its parent does.
         kind = next((_WORKER[c] for c in type(exc).__mro__ if c in _WORKER), InternalError)

@@ -58,6 +58,16 @@ class Limited(RoutingError):
         self.retry_after_s = retry_after_s
 
 
+class TooLarge(RoutingError):
+    """The request's token reservation exceeds every candidate endpoint's whole budget: no
+    queue could ever serve it."""
+
+    def __init__(self, message: str, needed: int, budget: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.budget = budget
+
+
 class Unavailable(RoutingError):
     """Nothing can serve this request now."""
 

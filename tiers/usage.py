@@ -42,6 +42,10 @@ class UsageRecord:
     queue_ms: float
     ttft_ms: float | None
     cost_usd: float
+    # Tokens of an endpoint's KV-cache budget the request held while it ran (its prompt
+    # estimate and answer cap; 0 where its model has no token budget). Absent from records
+    # written before budgets: 0.
+    reserved_tokens: int = 0
 
     def to_fields(self) -> dict[str, str]:
         """The record as a Redis stream entry: every value a string, None as ""."""
@@ -106,7 +110,7 @@ _SECOND: list[Any] = [-1, ""]  # the second `utc_now_ms` last saw, and its text
 
 _NAMES = tuple(f.name for f in fields(UsageRecord))
 _values = attrgetter(*_NAMES)
-_INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status"}
+_INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status", "reserved_tokens"}
 _FLOATS = {"duration_ms", "queue_ms", "ttft_ms", "cost_usd"}
 _OPTIONAL = {"user", "source", "ttft_ms"}
 

@@ -55,6 +55,7 @@ def usage_fields(
         "queue_ms": str(round(admitted.lease.queued_ms, 3)),
         "ttft_ms": "" if first is None else str(round((first - started) * 1000, 3)),
         "cost_usd": str(_cost(prompt, completion, admitted, tiers)),
+        "reserved_tokens": str(admitted.lease.tokens),
     }
 
 

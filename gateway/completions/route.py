@@ -47,9 +47,11 @@ from gateway.errors import (
 from gateway.runtime.auth import key_from_headers
 from gateway.runtime.state import GatewayState
 from gateway.schemas.common import GatewayRequest
+from gateway.schemas.tokens import output_tokens, prompt_tokens
 from routing.admission.admit import Admitted
 from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
+from routing.admission.tokens import TokenAsk
 from routing.errors import RoutingError, UnavailableReason
 from tiers.resolve import requested_tier
 
@@ -175,8 +177,9 @@ class CompletionRoute:
         )
         salt = getattr(request, "cache_salt", None) if self._salted else None
         cache_key = affinity_key(request.prompt_cache_key, salt)
+        tokens = TokenAsk(prompt_tokens(request), output_tokens(request))
         admitted = await self._state.admission.admit(
-            candidates, account.name, account.max_concurrency, cache_key, account.weight
+            candidates, account.name, account.max_concurrency, cache_key, account.weight, tokens
         )
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name

@@ -40,6 +40,8 @@ class Walk:
     akey: str  # the account's key in Redis
     limit: int
     cache_key: str | None  # prefix-cache affinity: the endpoints in this key's order
+    # Tokens it reserves of an endpoint's budget (its lease id carries them): 0 for none.
+    tokens: int = 0
     # Whether the account's count holds an entry for this walk (taken with the first try).
     has_account: bool = False
     # The candidate being tried: an error out of the walk concerns it (its metric label).

@@ -42,13 +42,15 @@ from routing.admission.slots import (
     QUEUED,
     RANK,
     Attempt,
+    EndpointSpec,
     ModelSlots,
     Timing,
     account_key,
     make_lease_id,
 )
+from routing.admission.tokens import TokenAsk
 from routing.admission.waiting import Waiting
-from routing.errors import RoutingError, Unavailable, UnavailableReason
+from routing.errors import RoutingError, TooLarge, Unavailable, UnavailableReason
 from routing.ledger.records import store_sender
 from routing.ledger.spool import Ledger, UsageSpool
 from routing.registry import EndpointConfig, Model, Registry
@@ -147,10 +149,15 @@ class Admission:
         account_limit: int,
         cache_key: str | None = None,
         weight: float = 1.0,
+        tokens: TokenAsk | None = None,
     ) -> Admitted:
-        """`weight`: the account's share among the accounts waiting in a tier (fair share)."""
-        lease_id = make_lease_id(f"{self.replica_id}-{next(self._ids)}", weight, account)
-        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
+        """`weight`: the account's share among the accounts waiting in a tier (fair share).
+        `tokens`: the request's prompt estimate and answer, for models whose endpoints hold
+        a token budget (`reservation`)."""
+        reserved = self.reservation(candidates, tokens)
+        prefix = f"{self.replica_id}-{next(self._ids)}"
+        lease_id = make_lease_id(prefix, weight, account, reserved)
+        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key, reserved)
         try:
             try:
                 return await self._walk(walk, candidates, self._clock())
@@ -181,6 +188,9 @@ class Admission:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
+            if (too_large := self._too_large(cand.model.name, walk.tokens)) is not None:
+                last = too_large
+                continue
             deadline = self._clock() + self._tiers.policy(cand.tier).queue_timeout_s
             admitted, last = await self._try_parts(walk, cand, deadline, started)
             if admitted is not None:
@@ -203,7 +213,10 @@ class Admission:
             endpoint = await self._settle(walk, model, tier, result, deadline)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
-                lease = Lease(walk.lease_id, model, endpoint, walk.akey, queued_ms, part=part)
+                lease = Lease(
+                    walk.lease_id, model, endpoint, walk.akey, queued_ms, part=part,
+                    tokens=walk.tokens,
+                )  # fmt: skip
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
                 return Admitted(lease, cand, tier), None
@@ -254,6 +267,38 @@ class Admission:
     def retry_after(self, model: str, ahead: int) -> int:
         return self.retry.seconds(model, ahead, self.capacity(model))
 
+    def reservation(self, candidates: Sequence[Candidate], tokens: TokenAsk | None) -> int:
+        """What a request reserves of an endpoint's token budget: its prompt estimate and
+        its answer, capped by the largest `max_tokens_default` of its candidates that hold
+        budgets; 0 when none does (or it said nothing). One figure for its whole walk: it
+        is in its lease id (routing/admission/slots.py `make_lease_id`)."""
+        if tokens is None:
+            return 0
+        caps = [
+            c.model.config.max_tokens_default
+            for c in candidates
+            if any(self.slots[p].budgeted for p in self.rotations[c.model.name].parts)
+        ]
+        return tokens.reservation(max(caps)) if caps else 0
+
+    def _too_large(self, model: str, tokens: int) -> TooLarge | None:
+        """The refusal of a reservation no endpoint of `model` could ever hold (larger than
+        each one's whole budget), else None."""
+        if not tokens:
+            return None
+        largest = [self.slots[p].largest_budget() for p in self.rotations[model].parts]
+        budgets = [b for b in largest if b != 0]
+        if not budgets or None in budgets or tokens <= max(b or 0 for b in budgets):
+            return None
+        budget = max(b or 0 for b in budgets)
+        why = (
+            f"This request needs about {tokens} tokens of a worker's KV cache (its prompt "
+            f"and max_tokens, capped at {model!r}'s max_tokens_default), more than any "
+            f"endpoint of {model!r} holds ({budget} tokens): shorten the prompt or lower "
+            "max_tokens."
+        )
+        return TooLarge(why, tokens, budget)
+
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about
         its share of the model's frees (which Retry-After's rate counts)."""
@@ -287,7 +332,7 @@ class Admission:
                 self.slots[part] = slots
                 # Every endpoint is in rotation until health checks say otherwise.
                 slots.configured = frozenset(urls)
-                slots.set_endpoints([(e.base_url, e.max_concurrency, 0.0) for e in endpoints])
+                slots.set_endpoints([_first_spec(e) for e in endpoints])
             else:
                 slots.configure(utilization, max_queue, _fair(tiers), urls)
             for url in urls:
@@ -362,10 +407,22 @@ def _queue_share(model: Model, dealt: Sequence[Sequence[EndpointConfig]]) -> int
     return -(-model.config.max_queue // max(filled, 1))
 
 
+def _first_spec(endpoint: EndpointConfig) -> EndpointSpec:
+    """An endpoint as admission first knows it: no penalty yet, its budget if the config
+    gives a number (`auto`: none until its worker says, routing/hop/health.py)."""
+    budget = endpoint.max_tokens_in_flight
+    return (
+        endpoint.base_url,
+        endpoint.max_concurrency,
+        0.0,
+        budget if isinstance(budget, int) else None,
+    )
+
+
 def _url(endpoint: EndpointConfig) -> str:
     return endpoint.base_url
 
 
-def _fair(tiers: TiersConfig) -> dict[Tier, bool]:
-    """Which tiers share between accounts (`tiers.<tier>.fairness`)."""
-    return {t: tiers.policy(t).fairness == "accounts" for t in Tier}
+def _fair(tiers: TiersConfig) -> dict[Tier, str]:
+    """How each tier shares between accounts (`tiers.<tier>.fairness`)."""
+    return {t: tiers.policy(t).fairness for t in Tier}

@@ -39,6 +39,8 @@ class Lease:
     since: float = field(default_factory=time.monotonic)
     # The partition whose keys hold it (routing/admission/partitions.py); "": the model's.
     part: str = ""
+    # Tokens it reserves of its endpoint's budget (its id carries them too: slots.py).
+    tokens: int = 0
 
     @property
     def keys(self) -> str:

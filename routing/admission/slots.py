@@ -23,11 +23,15 @@ RANK = 10**15
 UNBOUND = "-"
 
 
-def make_lease_id(prefix: str, weight: float, account: str) -> str:
-    """An id that carries its account and weight, so that every script knows whose a lease
-    or waiter is from the id alone (fair share; prelude.lua `account_of`). The account is
-    named by a short digest: any name fits, and no name shows in Redis."""
+def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> str:
+    """An id that carries its account and weight, and the tokens it reserves of an
+    endpoint's budget (none: 0), so that every script knows whose a lease or waiter is and
+    what it holds from the id alone, a dead replica's too (fair share, token budgets;
+    prelude.lua `account_of`, `tokens_of`). The account is named by a short digest: any
+    name fits, and no name shows in Redis."""
     digest = hashlib.blake2b(account.encode(), digest_size=6).hexdigest()
+    if tokens > 0:
+        return f"{prefix}~{tokens}~{weight:g}~{digest}"
     return f"{prefix}~{weight:g}~{digest}"
 
 
@@ -103,7 +107,11 @@ def account_key(account: str) -> str:
 # A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.
 _MODEL_KEYS = (
     "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
+    "ep_tok",
 )  # fmt: skip
+# How each tier shares a model's slots among waiting accounts (`tiers.<tier>.fairness`), as
+# the scripts spell it (prelude.lua `parse_spec`).
+FAIRNESS_LETTER = {"accounts": "a", "tokens": "t", "fifo": "f"}
 # An endpoint in rotation as admission knows it: (url, max_concurrency, load penalty), and
 # its token budget (tokens of KV cache its requests may reserve; None: none) where it has one.
 EndpointSpec = tuple[str, int, float] | tuple[str, int, float, int | None]
@@ -129,7 +137,7 @@ class ModelSlots:
         utilization: dict[Tier, float],
         max_queue: int,
         timing: Timing,
-        fair: dict[Tier, bool] | None = None,
+        fair: dict[Tier, bool] | dict[Tier, str] | None = None,
         *,
         declare_all: bool = True,
     ) -> None:
@@ -168,16 +176,23 @@ class ModelSlots:
         self,
         utilization: dict[Tier, float],
         max_queue: int,
-        fair: dict[Tier, bool] | None = None,
+        fair: dict[Tier, bool] | dict[Tier, str] | None = None,
         configured: Iterable[str] | None = None,
     ) -> None:
-        """Tier ceilings, queue bound, which tiers share between accounts (default: all) and
-        the model's endpoints as configured (see `_ceiling`), set again by a config reload."""
+        """Tier ceilings, queue bound, how each tier shares between accounts (`fair`: its
+        fairness, accounts | tokens | fifo, or True for accounts and False for fifo;
+        default: accounts) and the model's endpoints as configured (see `_ceiling`), set
+        again by a config reload."""
         self.max_queue = max_queue
         if configured is not None:
             self.configured = frozenset(configured)
+        # Each endpoint's whole budget: the largest it was given since the config (a budget
+        # that adapts shrinks below it for a while; a reload starts again from what is set).
+        self._whole: dict[str, int] = {}
         self._utilization = [utilization[t] for t in BY_RANK]
-        self._fair = "".join("a" if fair is None or fair[t] else "f" for t in BY_RANK)
+        # Each tier's share of an endpoint's token budget: its max_utilization.
+        self._shares = [f"{u:g}" for u in self._utilization]
+        self._fair = "".join(_letter(None if fair is None else fair[t]) for t in BY_RANK)
         self.set_endpoints([(u, *self._spec[u]) for u in self.urls])
 
     def set_endpoints(self, endpoints: Sequence[EndpointSpec]) -> None:
@@ -191,16 +206,28 @@ class ModelSlots:
         self._spec = dict(specs)
         # Whether any endpoint holds a token budget: requests then carry a reservation.
         self.budgeted = any(budget for _, (_, _, budget) in specs)
+        for url, (_, _, budget) in specs:
+            self._whole[url] = max(budget, self._whole.get(url, 0))
         # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
         # What every pumping script needs to hand slots on, in one argument the scripts read
         # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, which
         # tiers share between accounts.
-        self._pump_spec = " ".join(map(str, [self._timing.claim_ms, *self._ceilings, self._fair]))
+        self._pump_spec = " ".join(
+            map(str, [self._timing.claim_ms, *self._ceilings, self._fair, *self._shares])
+        )
         # The index's version: its endpoints and sizes (penalties change too often to count).
         sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _, _) in self._spec.items()))
         self.version = hashlib.blake2b(sizes.encode(), digest_size=8).hexdigest()
+
+    def largest_budget(self) -> int | None:
+        """The largest whole token budget of the endpoints in rotation: a request reserving
+        more could never be served. None when one of them holds no budget (anything fits
+        it); 0 when none is in rotation."""
+        if any(budget == 0 for _, _, budget in self._spec.values()):
+            return None
+        return max((self._whole.get(url, 0) for url in self._spec), default=0)
 
     def index(self) -> Call | None:
         """The endpoint index's change since this replica last wrote it (all of it when it
@@ -270,7 +297,7 @@ class ModelSlots:
             + self._pump_spec
         )
         args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank],
-                len(preferred), *preferred, packed]  # fmt: skip
+                self._shares[tier.rank], len(preferred), *preferred, packed]  # fmt: skip
         if account is None:
             return ("acquire", self._key, args)
         return ("acquire", [*self._key, account[0]], [*args, account[1]])
@@ -289,7 +316,7 @@ class ModelSlots:
         """A waiter of tier `rank` leaves. Reply: an integer if it was still queued (now
         removed): the grants likely before it if it queued again; else its granted endpoint
         ('' for an id Redis does not know)."""
-        fair = int(self._fair[rank] == "a")
+        fair = int(self._fair[rank] != "f")
         return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
@@ -331,6 +358,14 @@ class ModelSlots:
             urls = [""]  # none to choose from: a name no endpoint has
         args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls]
         return ("move", self._key, args)
+
+
+def _letter(fairness: bool | str | None) -> str:
+    if fairness is None or fairness is True:
+        return "a"
+    if fairness is False:
+        return "f"
+    return FAIRNESS_LETTER[fairness]
 
 
 def _spec_of(endpoint: EndpointSpec) -> tuple[str, tuple[int, float, int]]:

@@ -30,6 +30,7 @@ from routing.errors import (
     Limited,
     LimitReason,
     RoutingError,
+    TooLarge,
     Unavailable,
     UnavailableReason,
     UnknownModel,
@@ -172,9 +173,19 @@ def test_every_routing_error_is_mapped() -> None:
             exc: RoutingError = Limited("x", LimitReason.MODEL_BUSY, 1)
         elif cls is Unavailable:
             exc = Unavailable("x", UnavailableReason.SHUTTING_DOWN)
+        elif cls is TooLarge:
+            exc = TooLarge("x", 10, 5)
         else:
             exc = cls("x")
         assert isinstance(from_routing(exc), GatewayError), cls
+
+
+def test_a_request_no_endpoint_could_hold_is_a_400_never_retried() -> None:
+    error = from_routing(TooLarge("needs 9000 tokens, the largest holds 4096", 9000, 4096))
+    assert (error.status, error.code, error.type, error.param) == (
+        400, "context_too_large", "invalid_request_error", "max_tokens"
+    )  # fmt: skip
+    assert error.headers == {"x-should-retry": "false"}
 
 
 def test_a_new_kind_of_worker_failure_answers_as_its_parent() -> None:

@@ -16,6 +16,8 @@ SPEC_FIELDS = [
     "served_model", "fallback_index", "requested_tier", "tier", "prompt_tokens",
     "completion_tokens", "estimated", "status", "outcome", "duration_ms", "queue_ms",
     "ttft_ms", "cost_usd",
+    # The tokens of a worker's KV-cache budget the request held (docs/usage.md).
+    "reserved_tokens",
 ]  # fmt: skip
 
 

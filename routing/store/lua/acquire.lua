@@ -1,13 +1,14 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- KEYS: 1 the model's leases (prelude), 2 on one Redis the account's key (see below).
--- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 k, 6..
---       the k endpoints prefix-cache affinity prefers, in order (prelude: `pick`; k small
---       and fixed, 0 without affinity: the endpoints themselves are in Redis, not passed),
---       then in one argument "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" and
---       the spec (prelude: `parse_spec`) (known: this replica has seen the model's state
---       before, 0|1; see `lost`); with ACCOUNT, then the account's limit. The id carries its
---       account and weight (prelude: `account_of`).
--- The common case reads only the first five and the preferred: an argument costs a script
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 the
+--       share of an endpoint's token budget its tier may fill, 6 k, 7.. the k endpoints
+--       prefix-cache affinity prefers, in order (prelude: `seat`; k small and fixed, 0
+--       without affinity: the endpoints themselves are in Redis, not passed), then in one
+--       argument "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" and the spec
+--       (prelude: `parse_spec`) (known: this replica has seen the model's state before,
+--       0|1; see `lost`); with ACCOUNT, then the account's limit. The id carries its
+--       account, weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
+-- The common case reads only the first six and the preferred: an argument costs a script
 -- about 170 ns whether it reads it or not, so the others come packed.
 -- Returns, when granted, the endpoint (a string: a table reply costs Redis about 1.5 usec
 -- more); else {status, '', inflight, ahead, seq, rebuild, turn}: status 2 queued (seq = its
@@ -16,8 +17,9 @@
 -- or Redis lost it: nothing was taken, the replica writes it with index.lua and asks
 -- again); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
 -- the rebuild window when that is why it is busy, else 0.
--- @needs now_ms take_account rescore take_slot pick seat
-local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[5])
+-- @needs now_ms take_account tokens_of parse_ep rescore take_slot take_any seat
+local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[6])
+local tokens, frac = tokens_of(id), tonumber(ARGV[5])
 local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
 local expiry = (now + ttl) .. ''
@@ -34,7 +36,7 @@ if not loads[3] then return {-3, '', 0, 0, 0, 0, 0} end
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
 if ACCOUNT then
-  local limit = tonumber(ARGV[7 + k])
+  local limit = tonumber(ARGV[8 + k])
   if not take_account(ACCOUNT, id, limit, now, expiry, ttl) then return {-2, '', 0, 0, 0, 0} end
 end
 -- The common case costs a few reads: the model's state known, no rebuild window, nobody
@@ -42,15 +44,15 @@ end
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
 if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
     and (ARGV[4] == UNBOUND or redis.call('ZCARD', LEASES) < tonumber(ARGV[4])) then
-  local ep = seat(id, expiry, ARGV, 6, k)
+  local ep = seat(id, expiry, ARGV, 7, k, tokens, frac)
   if ep then return ep end
 end
 -- @rest
 
 local rank = tonumber(ARGV[3])
-local t = words(ARGV[6 + k])
+local t = words(ARGV[7 + k])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
-local claim, ceilings, fair = parse_spec(t, 6)
+local claim, ceilings, fair, fracs = parse_spec(t, 6)
 if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
 steady(loads[1])
 -- An id queued before (an acquire sent again) leaves its old place first.
@@ -58,11 +60,11 @@ if (requeued or redis.call('ZREM', QEXP, id)) == 1 then unqueue(id) end
 -- The model may be full: leases whose replica died must not make it look so.
 reclaim(now)
 lost(now, known, rebuild_ms, loads[1] ~= false)
-pump((now + claim) .. '', ceilings, fair)
+pump((now + claim) .. '', ceilings, fair, fracs)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 if inflight() < ceilings[rank + 1] and not rebuilding() then
-  local ep = seat(id, expiry, ARGV, 6, k)
+  local ep = seat(id, expiry, ARGV, 7, k, tokens, frac)
   if ep then
     count(id, 1)
     return ep

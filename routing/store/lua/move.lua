@@ -30,7 +30,7 @@ for _ = 1, 8 do
     count(id, 1)
     return ep
   end
-  if take_slot(ep) then
+  if take_slot(ep, tokens_of(id), 1) then
     drop_lease(id, avoid)
     redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
     return ep

@@ -13,12 +13,16 @@
 --          their replica claims them (claim.lua), so that a grant whose wake-up was lost is
 --          found from its id alone in O(1) (`find_lease`). (A release before this one wrote
 --          such a grant's member as the id alone: `split` still reads it.)
--- eps      HASH endpoint url -> "max_concurrency penalty", of the endpoints in rotation: the
---          endpoint index, written by a replica at start, on reload and when health changes
---          (index.lua), never passed per call
--- free     ZSET endpoint url -> load / max_concurrency + penalty, of the endpoints in rotation
---          that have room: the least loaded is its head (one ZRANGE, whatever the number of
---          endpoints), kept by `rescore` at every change of a load
+-- eps      HASH endpoint url -> "max_concurrency penalty", or "max_concurrency penalty
+--          budget" for one that holds its requests' reserved tokens to a budget (`parse_ep`),
+--          of the endpoints in rotation: the endpoint index, written by a replica at start,
+--          on reload and when health changes (index.lua), never passed per call
+-- free     ZSET endpoint url -> load / max_concurrency (or its tokens / budget, the larger)
+--          + penalty, of the endpoints in rotation that have room: the least loaded is its
+--          head (one ZRANGE, whatever the number of endpoints), kept by `rescore` at every
+--          change of a load
+-- ep_tok   HASH endpoint url -> tokens its leases reserve (the sum of `tokens_of` their ids,
+--          kept for every lease that carries a reservation, whatever its endpoint's budget)
 -- ep_load  HASH endpoint url -> leases held on it; and the field `~s`, present while Redis
 --          holds this model's state (a replica that has seen it before and finds it gone
 --          knows Redis restarted empty or failed over): '0', or '00' while a rebuild window
@@ -48,20 +52,23 @@ local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 -- names, and what a call reads once (a call runs at one instant). The scripts run as one
 -- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
 -- else each as a script that binds its own KEYS first.
-local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, QEXP, EPS, FREE, ACCOUNT
+local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, EP_TOK, QEXP, EPS, FREE, ACCOUNT
 local SEQ, REBUILD, CHANNEL, HELD
 -- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
 -- pick in the same call answers without a call (a full model's acquire picks twice).
 -- `clock`: Redis's TIME. `waits`: the waiters per tier (prelude's rest: `waiting_counts`).
 -- `leases_n`: the model's leases (`inflight`). `touched`: `rescore`'s tie-break.
 -- `rebuild_open`: whether a rebuild window is open (`rebuilding`). `ranks`: how many tiers,
--- RANKS or as many as the caller's spec names (`parse_spec`).
-local full, clock, waits, leases_n, touched, rebuild_open, ranks
+-- RANKS or as many as the caller's spec names (`parse_spec`). `modes`: each tier's fair
+-- share by the spec ('a' accounts' requests, 't' their tokens, false first come first
+-- served; nil: not known, requests).
+local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes
 
 local function bind(keys)
   LEASES = keys[1]
   BASE = string.sub(LEASES, 1, -7)
   QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
+  EP_TOK = BASE .. 'ep_tok'
   QEXP = BASE .. 'qexp'
   EPS, FREE = BASE .. 'eps', BASE .. 'free'
   SEQ, REBUILD, CHANNEL, HELD = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake', BASE .. 'held'
@@ -70,6 +77,7 @@ local function bind(keys)
   -- `declare_all`, and never an account's: it lives on another node).
   ACCOUNT = keys[#keys == 2 and 2 or 0]
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
+  modes = nil
 end
 
 -- @fn now_ms
@@ -88,47 +96,88 @@ local function score(n)
   return string.format('%.0f', n)
 end
 
+-- @fn tokens_of
+-- The tokens a lease or waiter reserves, from its id: "prefix~tokens~weight~account"
+-- (routing/admission/slots.py `make_lease_id`); 0 for an id without them ("prefix~weight~
+-- account"). Three plain finds, where a pattern match costs more.
+local function tokens_of(id)
+  local a = string.find(id, '~', 1, true)
+  local b = a and string.find(id, '~', a + 1, true)
+  if not b or not string.find(id, '~', b + 1, true) then return 0 end
+  return tonumber(string.sub(id, a + 1, b - 1)) or 0
+end
+
+-- @fn parse_ep
+-- An endpoint's entry in `eps`: its size, penalty and token budget (nil: none).
+local function parse_ep(spec)
+  local size, penalty, budget = string.match(spec, '^(%S+) (%S+) ?(%S*)')
+  return tonumber(size), tonumber(penalty), tonumber(budget)
+end
+
 -- @fn rescore
--- Endpoint `ep` holds `load` leases now: its place in `free` follows (in while it is in
--- rotation with room, scored by its load relative to its size plus the worker's own load
--- signal, the penalty >= 0; out while full). One HGET and one write. Equal loads take
+-- Endpoint `ep` holds `load` leases now (and `tok` reserved tokens, when the caller knows:
+-- else read where its budget needs them): its place in `free` follows, in while it is in
+-- rotation with room (below its size and its budget), scored by its load relative to its
+-- size (or its tokens relative to its budget, the larger) plus the worker's own load
+-- signal, the penalty >= 0; out while full. One HGET and one write. Equal loads take
 -- turns: a score carries when it was set (at most 1e-6, the time within 100 s: far below
 -- one lease's weight), so the endpoint touched longest ago comes first among them.
--- `spec`: its entry in `eps`, when the caller read it. Returns its size (nil: not in rotation).
-local function rescore(ep, load, spec)
+-- `spec`: its entry in `eps`, when the caller read it. Returns whether it has room (nil: not
+-- in rotation).
+local function rescore(ep, load, spec, tok)
   spec = spec or redis.call('HGET', EPS, ep)
   if not spec then return nil end
-  local size, penalty = string.match(spec, '^(%S+) (%S+)')
-  size = tonumber(size)
-  if load < size then
+  local size, penalty, budget = parse_ep(spec)
+  local used = load / size
+  if budget then
+    tok = tok or tonumber(redis.call('HGET', EP_TOK, ep)) or 0
+    if tok / budget > used then used = tok / budget end
+  end
+  if used < 1 then
     if not touched then
       clock = clock or redis.call('TIME')
       local t = clock
       touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
     end
-    redis.call('ZADD', FREE, load / size + tonumber(penalty) + touched, ep)
+    redis.call('ZADD', FREE, used + penalty + touched, ep)
     full = false
-  else
-    redis.call('ZREM', FREE, ep)
+    return true
   end
-  return size
+  redis.call('ZREM', FREE, ep)
+  return false
 end
 
 -- @fn take_slot
--- One more lease counted on `ep` if it has room by its own count (`ep_load`, which every
--- release of the gateway keeps, where `free` is this one's: during a rolling update a
--- replica of the release before fills endpoints without telling `free`): true; else
--- nothing is taken, `ep` leaves `free`, false. As many calls as counting the lease.
-local function take_slot(ep)
+-- One more lease counted on `ep`, reserving `t` tokens, if it has room by its own counts
+-- (`ep_load`, which every release of the gateway keeps, where `free` is this one's: during
+-- a rolling update a replica of the release before fills endpoints without telling `free`)
+-- and its budget holds them (at most the share `frac` of it: a tier's ceiling): true; else
+-- nothing is taken, false. Its second result: whether `ep` still has room (in `free`) for
+-- some other request. As many calls as counting the lease.
+local function take_slot(ep, t, frac)
   local spec = redis.call('HGET', EPS, ep)
   if not spec then
     redis.call('ZREM', FREE, ep)
-    return false
+    return false, false
   end
+  local size, _, budget = parse_ep(spec)
   local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
-  if load <= rescore(ep, load, spec) then return true end
-  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'), spec)
-  return false
+  local tok = t > 0 and redis.call('HINCRBY', EP_TOK, ep, t) or nil
+  if load <= size and (not budget or t == 0 or tok <= budget * frac) then
+    rescore(ep, load, spec, tok)
+    return true, true
+  end
+  load = redis.call('HINCRBY', EP_LOAD, ep, '-1')
+  if t > 0 then tok = redis.call('HINCRBY', EP_TOK, ep, -t) end
+  return false, rescore(ep, load, spec, tok)
+end
+
+-- @fn give_slot
+-- `id`'s lease on `ep` is gone: its count and its reserved tokens go back there.
+local function give_slot(id, ep)
+  local load = redis.call('HINCRBY', EP_LOAD, ep, '-1')
+  local t = tokens_of(id)
+  rescore(ep, load, nil, t > 0 and redis.call('HINCRBY', EP_TOK, ep, -t) or nil)
 end
 
 -- @fn drop_lease
@@ -136,51 +185,71 @@ end
 -- see `expire`.
 local function drop_lease(id, ep)
   if redis.call('ZREM', LEASES, id .. ' ' .. ep) == 0 then return 0 end
-  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
+  give_slot(id, ep)
   return 1
 end
 
--- @fn pick
--- The endpoint to take: the first with room of the `k` preferred in `src` from index `at`
--- (prefix-cache affinity, a few at most), else the least loaded with room (the head of
--- `free`); nil when every endpoint in rotation is full. At most two calls, whatever the
--- number of endpoints.
-local function pick(src, at, k)
-  if full then return nil end
-  if k > 0 then
-    local found = redis.call('ZMSCORE', FREE, unpack(src, at, at + k - 1))
-    for i = 1, k do
-      if found[i] then return src[at + i - 1] end
+-- @fn take_any
+-- A slot for a request reserving `t` tokens (`frac`: the share of a budget its tier may
+-- fill) on the least loaded endpoint that takes it: the head of `free`, or for a request
+-- with a reservation the first of the four at its head that holds it; nil when none does.
+-- `try(ep)`: takes the slot (as `take_slot`, with the caller's own writes). An endpoint
+-- `free` had wrong (full by its own count) leaves it on the way and the next are read;
+-- one that only lacks the tokens stays (smaller requests fit), and this one waits.
+local function take_any(t, frac, try)
+  local few = t > 0 and '3' or '0'
+  for _ = 1, 8 do
+    if full then return nil end
+    local heads = redis.call('ZRANGE', FREE, '0', few)
+    if not heads[1] then
+      full = true
+      return nil
     end
+    local dropped = false
+    for _, ep in ipairs(heads) do
+      local ok, kept
+      if try then ok, kept = try(ep) else ok, kept = take_slot(ep, t, frac) end
+      if ok then return ep end
+      dropped = dropped or not kept
+    end
+    if not dropped then return nil end
   end
-  local ep = redis.call('ZRANGE', FREE, '0', '0')[1]
-  full = not ep
-  return ep
+  return nil
 end
 
 -- @fn grant
 -- A lease of `id` on `ep` until `expiry`, counted whatever the load (a lease written back:
--- its request runs there).
+-- its request runs there), with its reserved tokens.
 local function grant(id, ep, expiry)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
-  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '1'))
+  local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
+  local t = tokens_of(id)
+  rescore(ep, load, nil, t > 0 and redis.call('HINCRBY', EP_TOK, ep, t) or nil)
 end
 
 -- @fn seat
--- A new lease of `id` until `expiry` on the endpoint `pick` finds with room (from `src` at
--- `at`, `k` preferred): the endpoint, or nil when none has room (an endpoint `free` had
--- wrong is dropped from it on the way: `take_slot`).
-local function seat(id, expiry, src, at, k)
-  for _ = 1, 8 do
-    local ep = pick(src, at, k)
-    if not ep then return nil end
+-- A new lease of `id` (reserving `t` tokens, at most the share `frac` of a budget) until
+-- `expiry`: on the first of the `k` endpoints prefix-cache affinity prefers in `src` from
+-- index `at` that has room for it, else on the least loaded that does (`take_any`). The
+-- endpoint, or nil when none has. At most two reads to choose, whatever the number of
+-- endpoints.
+local function seat(id, expiry, src, at, k, t, frac)
+  if full then return nil end
+  local function try(ep)
     -- The lease first: a script that fails there (a key of another type) wrote nothing.
     local m = id .. ' ' .. ep
     redis.call('ZADD', LEASES, expiry, m)
-    if take_slot(ep) then return ep end
-    redis.call('ZREM', LEASES, m)
+    local ok, kept = take_slot(ep, t, frac)
+    if not ok then redis.call('ZREM', LEASES, m) end
+    return ok, kept
   end
-  return nil
+  if k > 0 then
+    local found = redis.call('ZMSCORE', FREE, unpack(src, at, at + k - 1))
+    for i = 1, k do
+      if found[i] and try(src[at + i - 1]) then return src[at + i - 1] end
+    end
+  end
+  return take_any(t, frac, try)
 end
 
 -- @fn take_account
@@ -204,12 +273,13 @@ end
 -- Fair share. An id ends in "~weight~account" (routing/slots.py `make_lease_id`), so every
 -- script knows a lease's or waiter's account and weight from its id alone (a dead replica's
 -- lease too). Its keys are named after the queue's (the same hash tag, so the same node):
--- `held`   HASH account -> leases of the model it holds: counted only while someone waits
---          (the common case pays nothing), counted afresh from the leases when the queue
---          stops being empty (`enqueue`);
+-- `held`   HASH account -> leases of the model it holds, and "t:" .. account -> the tokens
+--          they reserve: counted only while someone waits (the common case pays nothing),
+--          counted afresh from the leases when the queue stops being empty (`enqueue`);
 -- per tier, each waiting account's queue (ZSET waiter -> sequence), and the index of the
 -- waiting accounts (ZSET "sequence of its oldest waiter, 16 digits" .. account -> held /
--- weight: the lowest score first, ties to the oldest waiter, which the member's order gives).
+-- weight, held in requests or in tokens by the tier's mode: the lowest score first, ties to
+-- the oldest waiter, which the member's order gives).
 -- A tier's rank as text (Lua turns a number into text with sprintf: about 0.5 usec each).
 local RANK_TEXT = {[0] = '0', [1] = '1', [2] = '2'}
 local function rank_text(rank) return RANK_TEXT[rank] or string.format('%d', rank) end
@@ -319,7 +389,7 @@ end
 local function drop_found(id, m, ep)
   if redis.call('ZREM', LEASES, m) == 0 then return 0 end
   redis.call('HDEL', EP_OF, id)
-  rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
+  give_slot(id, ep)
   return 1
 end
 
@@ -355,8 +425,10 @@ local function recount()
   redis.call('DEL', HELD)
   local per = {}
   for _, m in ipairs(redis.call('ZRANGE', LEASES, 0, -1)) do
-    local acct = account_of(string.match(m, '^[^ ]+'))
+    local id = string.match(m, '^[^ ]+')
+    local acct, t = account_of(id), tokens_of(id)
     per[acct] = (per[acct] or 0) + 1
+    if t > 0 then per['t:' .. acct] = (per['t:' .. acct] or 0) + t end
   end
   local flat = {}
   for acct, n in pairs(per) do
@@ -383,6 +455,16 @@ local function queued_delta(rank, delta)
   end
 end
 
+-- What `acct` holds by tier `rank`'s measure (`modes`): its leases, or their tokens.
+local function held_field(acct, rank)
+  if modes and modes[rank + 1] == 't' then return 't:' .. acct end
+  return acct
+end
+
+local function held_of(acct, rank)
+  return tonumber(redis.call('HGET', HELD, held_field(acct, rank))) or 0
+end
+
 -- Put `acct`'s entry in the index of `rank` right: after its oldest waiter or its leases
 -- changed. `old`: its member before, when known to be in the index.
 local function reindex(rank, acct, weight, old)
@@ -391,31 +473,44 @@ local function reindex(rank, acct, weight, old)
   local index = account_index(rank)
   if old then redis.call('ZREM', index, old) end
   if not head[1] then return end
-  local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
-  redis.call('ZADD', index, ratio, member(head[2], acct))
+  redis.call('ZADD', index, held_of(acct, rank) / weight, member(head[2], acct))
 end
 
--- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits,
--- and the account's entries in the indexes of the tiers it waits in follow (`skip`: a tier
--- whose entry the caller sets itself). Only tiers with waiters are looked at: one call per
--- tier the account waits in. Returns the account, its weight and what it holds now (nil
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits
+-- (its tokens too, where it reserves some), and the account's entries in the indexes of the
+-- tiers it waits in follow (`skip`: a tier whose entry the caller sets itself). Only tiers
+-- with waiters are looked at: one call per tier the account waits in. Returns the account,
+-- its weight, and a function of a rank: what it holds now by that tier's measure (nil
 -- while nobody waits).
 local function count(id, delta, skip)
   if queue_size() == 0 then return nil end
   local acct, weight = account_of(id)
-  local held = redis.call('HINCRBY', HELD, acct, delta > 0 and '1' or '-1')
-  if held <= 0 then
-    redis.call('HDEL', HELD, acct)
-    held = 0
+  local held = {[acct] = redis.call('HINCRBY', HELD, acct, delta > 0 and '1' or '-1')}
+  local t = tokens_of(id)
+  if t > 0 then
+    local field = 't:' .. acct
+    held[field] = redis.call('HINCRBY', HELD, field, delta > 0 and t or -t)
+  end
+  for field, n in pairs(held) do
+    if n <= 0 then
+      redis.call('HDEL', HELD, field)
+      held[field] = 0
+    end
+  end
+  local function now(rank)
+    local field = held_field(acct, rank)
+    return held[field] or held_of(acct, rank)
   end
   for rank, n in ipairs(waits) do
     rank = rank - 1
     if rank ~= skip and n > 0 then
       local head = redis.call('ZRANGE', account_queue(rank, acct), '0', '0', 'WITHSCORES')
-      if head[1] then redis.call('ZADD', account_index(rank), held / weight, member(head[2], acct)) end
+      if head[1] then
+        redis.call('ZADD', account_index(rank), now(rank) / weight, member(head[2], acct))
+      end
     end
   end
-  return acct, weight, held
+  return acct, weight, now
 end
 
 -- Queue `id` at `seq` (its digits, as text) in tier `rank`: in the model's queue, its
@@ -440,8 +535,7 @@ local function enqueue(id, rank, seq, own)
   if head[1] == nil or tonumber(seq) < tonumber(head[2]) then
     local index = account_index(rank)
     if head[1] then redis.call('ZREM', index, member(head[2], acct)) end
-    local ratio = (tonumber(redis.call('HGET', HELD, acct)) or 0) / weight
-    redis.call('ZADD', index, ratio, member(seq, acct))
+    redis.call('ZADD', index, held_of(acct, rank) / weight, member(seq, acct))
   end
 end
 
@@ -497,8 +591,8 @@ local function fair_head(rank)
   return nil
 end
 
--- The fair head `h` (`fair_head`) leaves the queue, its account holding `held` leases now:
--- its account's next waiter, if any, stands for the account in the index.
+-- The fair head `h` (`fair_head`) leaves the queue, its account holding `held` now (by its
+-- tier's measure): its account's next waiter, if any, stands for the account in the index.
 local function take_head(h, held)
   redis.call('ZREM', QEXP, h.id)
   redis.call('ZREM', QUEUE, h.id)
@@ -521,7 +615,7 @@ local function reclaim(now)
   for _, m in ipairs(gone) do
     local id, ep = split(m)
     redis.call('ZREM', LEASES, m)
-    if ep then rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
+    if ep then give_slot(id, ep) end
     redis.call('HDEL', EP_OF, id)
     count(id, -1)
   end
@@ -605,18 +699,26 @@ local function lost(now, known, rebuild_ms, present)
   return true
 end
 
--- The waiter `head` (`eligible_head`) takes a slot on `ep` (counted there already): it
--- leaves the queue, its account holds one more, and its replica is woken by message. Its
--- lease ("id endpoint", as every lease) lasts only `claim_until` (ms, as text) until its
--- replica claims it (a grant to a replica that died goes back quickly); `ep_of` finds it
--- from the id alone meanwhile (`find_lease`).
+-- Whether some endpoint in rotation has room (`free` is not empty): one read, none once
+-- known in this call.
+local function has_room()
+  if full then return false end
+  full = redis.call('ZRANGE', FREE, '0', '0')[1] == nil
+  return not full
+end
+
+-- The waiter `head` (`eligible_head`) takes a slot on `ep` (counted there already, its
+-- tokens too): it leaves the queue, its account holds one more, and its replica is woken by
+-- message. Its lease ("id endpoint", as every lease) lasts only `claim_until` (ms, as text)
+-- until its replica claims it (a grant to a replica that died goes back quickly); `ep_of`
+-- finds it from the id alone meanwhile (`find_lease`).
 local function grant_head(head, ep, claim_until)
   local id = head.id
   if leases_n then leases_n = leases_n + 1 end
   -- Counted first: the head's account holds one more (its entries in the other tiers
   -- follow), then its entry in this tier moves to its next waiter.
   local _, _, held = count(id, 1, head.rank)
-  if head.entry then take_head(head, held) else unqueue(id, head.place) end
+  if head.entry then take_head(head, held and held(head.rank)) else unqueue(id, head.place) end
   local m = id .. ' ' .. ep
   redis.call('ZADD', LEASES, claim_until, m)
   redis.call('HSET', EP_OF, id, ep)
@@ -625,38 +727,51 @@ end
 
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
 -- `claim_until`: when a grant goes back unless claimed (ms, as text). ceilings[rank + 1] =
--- capacity x max_utilization; fair[rank + 1]: whether that tier shares between accounts.
-local function pump(claim_until, ceilings, fair)
+-- capacity x max_utilization; fair[rank + 1]: how that tier shares (`parse_spec`);
+-- fracs[rank + 1]: the share of an endpoint's token budget the tier may fill. A head whose
+-- reservation fits on no endpoint now waits, and the waiters behind it too: first come
+-- first served, as vLLM's own scheduler (a request that could never fit is refused before
+-- it queues: context_too_large).
+local function pump(claim_until, ceilings, fair, fracs)
   if queue_size() == 0 or rebuilding() then return 0 end
   local granted = 0
-  while true do
-    -- An endpoint with room first: one read when the model is full (the common end of a
-    -- pump under load), where finding the head takes several.
-    local ep = pick(nil, 0, 0)
-    if not ep then break end
+  -- An endpoint with room first: one read when the model is full (the common end of a
+  -- pump under load), where finding the head takes several.
+  while has_room() do
     local head = eligible_head(ceilings, fair)
     if not head then break end
-    if take_slot(ep) then  -- else `free` had it wrong: it left, the next is tried
-      grant_head(head, ep, claim_until)
-      granted = granted + 1
-    end
+    local ep = take_any(tokens_of(head.id), fracs[head.rank + 1] or 1)
+    if not ep then break end
+    grant_head(head, ep, claim_until)
+    granted = granted + 1
   end
   return granted
 end
 
--- A slot given back on `ep`, its load not taken back yet, goes straight to the best waiter
--- when no endpoint has room (`free` is empty, so `ep` holds the only slot the pump could
--- give) and `ep` is still in rotation at a size that holds its count: what the pump would
--- do, without taking the load back and counting it again (three reads, where that takes
--- eight calls). Returns whether it did.
-local function hand_on(ep, claim_until, ceilings, fair)
-  if rebuilding() or pick(nil, 0, 0) then return false end
+-- A slot given back by `gone` on `ep`, its load not taken back yet, goes straight to the
+-- best waiter when no endpoint has room (`free` is empty, so `ep` holds the only slot the
+-- pump could give), `ep` is still in rotation at a size that holds its count, and its
+-- budget holds the waiter's tokens in place of `gone`'s: what the pump would do, without
+-- taking the load back and counting it again (three reads, where that takes eight calls).
+-- Returns whether it did.
+local function hand_on(gone, ep, claim_until, ceilings, fair, fracs)
+  if rebuilding() or has_room() then return false end
   local spec = redis.call('HGET', EPS, ep)
   if not spec then return false end
-  local size = tonumber(string.sub(spec, 1, string.find(spec, ' ', 1, true) - 1))
-  if (tonumber(redis.call('HGET', EP_LOAD, ep)) or 0) > size then return false end
+  local size, _, budget = parse_ep(spec)
+  local load = tonumber(redis.call('HGET', EP_LOAD, ep)) or 0
+  if load > size then return false end
   local head = eligible_head(ceilings, fair)
   if not head then return false end
+  local delta = tokens_of(head.id) - tokens_of(gone)
+  if delta ~= 0 then
+    local tok = redis.call('HINCRBY', EP_TOK, ep, delta)
+    if budget and delta > 0 and tok > budget * (fracs[head.rank + 1] or 1) then
+      redis.call('HINCRBY', EP_TOK, ep, -delta)
+      return false
+    end
+    rescore(ep, load, spec, tok)
+  end
   grant_head(head, ep, claim_until)
   return true
 end
@@ -690,20 +805,24 @@ end
 
 -- What pumping needs, in one argument read only when someone waits (an argument costs a
 -- script about 170 ns whether read or not), as words (`words`) from index `at`:
--- "claim_ms n ceiling.. fair", the tiers' ceilings best first, then one letter per tier,
--- best first ('a' shares between accounts, 'f' first come first served). The endpoints are
--- not in it: they are in the index (`eps`, `free`). Returns claim_ms, the ceilings and
--- whether each tier is fair.
+-- "claim_ms n ceiling.. fair frac..", the tiers' ceilings best first, then one letter per
+-- tier, best first ('a' shares between accounts by their requests, 't' by their tokens, 'f'
+-- first come first served), then each tier's share of an endpoint's token budget. The
+-- endpoints are not in it: they are in the index (`eps`, `free`). Returns claim_ms, the
+-- ceilings, each tier's way of sharing ('a', 't' or false: `modes` too) and the shares.
 local function parse_spec(t, at)
   local a = (at or 1) - 1
   local n = tonumber(t[a + 2])
   if n ~= ranks then
     ranks, waits = n, nil
   end
-  local ceilings, fair = {}, {}
+  local ceilings, fair, fracs = {}, {}, {}
   for i = 1, n do
     ceilings[i] = tonumber(t[a + 2 + i]) or math.huge  -- UNBOUND
-    fair[i] = string.sub(t[a + 3 + n], i, i) == 'a'
+    local letter = string.sub(t[a + 3 + n], i, i)
+    fair[i] = letter ~= 'f' and letter
+    fracs[i] = tonumber(t[a + 3 + n + i]) or 1
   end
-  return tonumber(t[a + 1]), ceilings, fair
+  modes = fair
+  return tonumber(t[a + 1]), ceilings, fair, fracs
 end

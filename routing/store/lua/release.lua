@@ -6,7 +6,7 @@
 -- Used for the end of a request, a waiter whose caller left, and any id whose state in
 -- Redis is in doubt (idempotent: an id Redis does not hold changes nothing).
 -- Returns how many waiters were granted.
--- @needs rescore
+-- @needs tokens_of parse_ep rescore give_slot
 local freed, on, unsure = {}, {}, {}
 for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   local id, ep = ARGV[i], ARGV[i + 1]
@@ -28,13 +28,13 @@ if #freed > 0 then
   local marks = redis.call('HINCRBY', EP_LOAD, '~f', #freed == 1 and '2' or 2 * #freed)
   waiting = marks % 2 == 1
   if not waiting then
-    for i, ep in ipairs(on) do rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1')) end
+    for i, ep in ipairs(on) do give_slot(freed[i], ep) end
     if #unsure == 0 then return 0 end
   end
 end
 -- @rest
 local now = now_ms()
-local claim, ceilings, fair = parse_spec(words(ARGV[1]))
+local claim, ceilings, fair, fracs = parse_spec(words(ARGV[1]))
 local claim_until = (now + claim) .. ''
 -- The state marker and the waiters per tier, in one call (prelude: `ep_load`).
 local fields = {'~s'}
@@ -62,14 +62,14 @@ for _, id in ipairs(found) do count(id, -1) end
 local granted = 0
 if waiting then
   for _, id in ipairs(freed) do count(id, -1) end
-  for _, ep in ipairs(on) do
-    if hand_on(ep, claim_until, ceilings, fair) then
+  for i, ep in ipairs(on) do
+    if hand_on(freed[i], ep, claim_until, ceilings, fair, fracs) then
       granted = granted + 1
     else
-      rescore(ep, redis.call('HINCRBY', EP_LOAD, ep, '-1'))
+      give_slot(freed[i], ep)
     end
   end
 end
 if queue_size() == 0 then return granted end
 -- Leases that expired meanwhile are left to the sweeps (each reclaims within a second).
-return granted + pump(claim_until, ceilings, fair)
+return granted + pump(claim_until, ceilings, fair, fracs)

@@ -48,7 +48,7 @@ end
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', QUEUE) > 0
-local claim, ceilings, fair = parse_spec(words(ARGV[3]))
+local claim, ceilings, fair, fracs = parse_spec(words(ARGV[3]))
 expire(now, waiting)
 local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -104,7 +104,7 @@ for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
 end
 waiting = waiting or requeued > 0
 mend_waits(waiting)
-if waiting then pump((now + claim) .. '', ceilings, fair) end
+if waiting then pump((now + claim) .. '', ceilings, fair, fracs) end
 -- The waiting bit the common cases read, set right (it is kept at each change of the
 -- queue between empty and not; a sweep mends whatever slipped).
 local marks = mark_waiting(queue_size() > 0)
@@ -112,11 +112,12 @@ local state = {redis.call('ZCARD', LEASES)}
 -- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
 -- lease an older release reclaimed without knowing its endpoint, during a rolling update).
 if state[1] == 0 then
+  local tokens = redis.call('DEL', EP_TOK) == 1  -- none reserved either
   local fields = redis.call('HGETALL', EP_LOAD)
   for i = 1, #fields, 2 do
-    if string.sub(fields[i], 1, 1) ~= '~' and fields[i + 1] ~= '0' then
+    if string.sub(fields[i], 1, 1) ~= '~' and (tokens or fields[i + 1] ~= '0') then
       redis.call('HSET', EP_LOAD, fields[i], '0')
-      rescore(fields[i], 0)
+      rescore(fields[i], 0, nil, 0)
     end
   end
 end
