@@ -167,6 +167,12 @@ class Metrics:
             "gateway_capacity", "Slots of healthy endpoints.", ["model"],
             registry=r, multiprocess_mode=SHARED_VIEW,
         )  # fmt: skip
+        self.tokens_reserved = Gauge(
+            "gateway_tokens_reserved",
+            "Tokens of an endpoint's KV-cache budget its requests in flight reserve (endpoints "
+            "with a budget; read from Redis every few seconds).",
+            ["model", "endpoint"], registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
         self.rejections = Counter(
             "gateway_rejections", "429 answers, by reason (the error code).",
             ["model", "tier", "reason"], registry=r,

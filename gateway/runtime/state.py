@@ -243,6 +243,8 @@ class GatewayState:
                 m.usage_stream_length.set(spool.stream.length)
                 m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)
         m.replicas.set(self.admission.local.replicas)
+        for (model, url), tokens in self.keeper.reserved.items():
+            m.tokens_reserved.labels(model, url).set(tokens)
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

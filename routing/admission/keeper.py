@@ -39,6 +39,9 @@ REPLICAS_KEY = "gw:replicas"
 SUBSCRIPTION_BACKOFF_S = 10.0
 # A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
 SPOOL_ROUND_S = 30.0
+# The tokens reserved on each endpoint with a budget are read for the metrics every this
+# many sweeps: one HGETALL per model with budgets (O(its endpoints)), not per request.
+RESERVED_EVERY = 5
 
 
 @dataclass
@@ -55,6 +58,8 @@ class _Round:
     mine: dict[str, int]
     # The models whose endpoint index changed: their index calls lead the round.
     indexed: list[str]
+    # The models (or partitions) whose reserved tokens this round reads, at its end.
+    reserved: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +72,9 @@ class Keeper:
     # A sweep round longer than this is cut (and counted): it never waits on a stall.
     round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
+    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them.
+    reserved: dict[tuple[str, str], int] = field(default_factory=dict)
+    _rounds: int = 0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
     _moves: int = 0
@@ -128,15 +136,21 @@ class Keeper:
         orphan_models, orphan_accounts = holdings.orphans_by_model()
         orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
         orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
+        self._rounds += 1
+        reserved = []
+        if self._rounds % RESERVED_EVERY == 1:
+            reserved = [m for m in models if adm.slots[m].budgeted]
+        reads: list[Call] = [("HGETALL", [adm.slots[m].reserved_key], []) for m in reserved]
         return _Round(
-            calls + orphan_calls,
+            calls + orphan_calls + reads,
             models,
             {m: [waiter_id for waiter_id, _ in ws] for m, ws in waiters.items()},
             list(entries),
             list(holdings.orphans),
-            len(orphan_calls),
+            len(orphan_calls) + len(reads),
             {m: len(ls) for m, ls in leases.items()},
             list(indexes),
+            reserved,
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
@@ -174,8 +188,26 @@ class Keeper:
         for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
             adm.handback.recheck(reply, None, key)
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
+        reads = tail[len(tail) - len(work.reserved) :] if work.reserved else []
+        tail = tail[: len(tail) - len(work.reserved)]
         if first_error(tail) is None:
             adm.holdings.forgotten(work.orphans)
+        for part, reply in zip(work.reserved, reads, strict=True):
+            if not isinstance(reply, Exception):
+                self._saw_reserved(part, reply)
+
+    def _saw_reserved(self, part: str, reply: Any) -> None:
+        """A partition's tokens reserved per endpoint, for the endpoints this replica knows
+        (a metric's label values come from its config, never from Redis)."""
+        adm = self.admission
+        model = adm.model_of.get(part, part)
+        known = set(adm.slots[part].urls)
+        found = (
+            dict(zip(reply[::2], reply[1::2], strict=True)) if isinstance(reply, list) else reply
+        )
+        values = {text(url): int(tokens) for url, tokens in found.items()}
+        for url in known:
+            self.reserved[model, url] = values.get(url, 0)
 
     def wake(self, waiter_id: str, endpoint: str) -> None:
         waiter = self.admission.holdings.waiters.get(waiter_id)

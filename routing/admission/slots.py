@@ -152,6 +152,8 @@ class ModelSlots:
         # it makes (routing/store/lua/prelude.lua).
         self._key = self.keys if declare_all else self.keys[:1]
         self.channel = tag + "wake"
+        # The tokens each endpoint's leases reserve (prelude.lua `ep_tok`): read for metrics.
+        self.reserved_key = tag + "ep_tok"
         self._timing = timing
         # Whether this replica has seen the model's state in Redis (a sweep answered): if it
         # is gone later, Redis lost it (routing/store/lua/prelude.lua, `lost`).
