@@ -15,12 +15,13 @@ from gateway.runtime.reload import ConfigWatcher
 from gateway.runtime.settings import GatewayConfig
 from routing.admission.admit import Admission
 from routing.admission.keeper import Keeper
+from routing.admission.slots import EndpointSpec
 from routing.background import BackgroundErrors
 from routing.hop.client import HopClient
 from routing.hop.endpoints import Pools
 from routing.hop.health import Health
 from routing.ledger.spool import UsageSpool
-from routing.registry import Registry
+from routing.registry import EndpointConfig, Registry
 from routing.store.causes import StoreErrors
 from routing.store.connect import call_timeout, connect, script_store, subscriber
 from routing.store.probe import probe
@@ -106,8 +107,8 @@ class GatewayState:
         for model in self.registry:
             if not any(e.base_url in urls for e in model.config.endpoints):
                 continue
-            healthy = [
-                (e.base_url, e.max_concurrency, self.health.penalty(e.base_url))
+            healthy: list[EndpointSpec] = [
+                (e.base_url, e.max_concurrency, self.health.penalty(e.base_url), _budget(e))
                 for e in model.config.endpoints
                 if self.health.is_up(e.base_url)
             ]
@@ -250,3 +251,9 @@ class GatewayState:
             for tier, depth in state.queued.items():
                 m.queue_depth.labels(model, tier.value).set(depth)
         m.publish()
+
+
+def _budget(endpoint: EndpointConfig) -> int | None:
+    """An endpoint's token budget, where the config gives a number."""
+    budget = endpoint.max_tokens_in_flight
+    return budget if isinstance(budget, int) else None

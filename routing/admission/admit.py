@@ -356,11 +356,12 @@ class Admission:
                 self.slots[part].set_endpoints([])
                 self._send_index(self.slots[part])
 
-    def set_endpoints(self, model: str, endpoints: Sequence[tuple[str, int, float]]) -> None:
-        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty).
-        Redis's endpoint index learns them now once admission started (before, at the
-        first acquire or sweep); a write that fails is made whole by the next sweep."""
-        by_part: dict[str, list[tuple[str, int, float]]] = {
+    def set_endpoints(self, model: str, endpoints: Sequence[EndpointSpec]) -> None:
+        """The endpoints of `model` now in rotation (`EndpointSpec`: url, max_concurrency,
+        load penalty, token budget). Redis's endpoint index learns them now once admission
+        started (before, at the first acquire or sweep); a write that fails is made whole by
+        the next sweep."""
+        by_part: dict[str, list[EndpointSpec]] = {
             p: [] for p in self.rotations[model].parts
         }
         for endpoint in endpoints:
