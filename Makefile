@@ -37,6 +37,7 @@ bench: $(STAMP) redis
 		(apt-get update -qq && apt-get install -y -qq wrk nginx-light >/dev/null)
 	$(BIN)/python bench/overhead.py --baseline $(BENCH_BASELINE)
 	$(BIN)/python bench/fleet.py
+	$(BIN)/python bench/budgets.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

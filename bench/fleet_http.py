@@ -63,10 +63,15 @@ def contiguous_ports(n: int, tries: int = 50) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def config(redis_url: str, base: int, n: int, size: int, partitions: int = 1) -> str:
+def config(
+    redis_url: str, base: int, n: int, size: int, partitions: int = 1, budget: int | None = None
+) -> str:
+    """`budget`: each endpoint's token budget (`max_tokens_in_flight`), none by default."""
     digest = hashlib.sha256(KEY.encode()).hexdigest()
+    tokens = f", max_tokens_in_flight: {budget}" if budget else ""
     endpoints = "".join(
-        f'      - {{url: "http://127.0.0.1:{base + i}", max_concurrency: {size}, model: m}}\n'
+        f'      - {{url: "http://127.0.0.1:{base + i}", max_concurrency: {size}, model: m'
+        f"{tokens}}}\n"
         for i in range(n)
     )
     return f"""
@@ -120,13 +125,21 @@ def served(window: dict[str, Any]) -> int:
 class Fleet:
     """One sim process of N endpoints and M gateways on `redis_url`."""
 
-    def __init__(self, tmp: Path, redis_url: str, n: int, size: int, partitions: int = 1) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        redis_url: str,
+        n: int,
+        size: int,
+        partitions: int = 1,
+        budget: int | None = None,
+    ) -> None:
         self.n, self.size = n, size
         self.base = contiguous_ports(n)
         args = ["sim", "--port", str(self.base), "--endpoints", str(n), "--models", "m",
                 "--max-seqs", str(size), *SIM]  # fmt: skip
         self.sim = Proc(args, self.base, "/health", tmp / f"sim-{self.base}.log").start()
-        text = config(redis_url, self.base, n, size, partitions)
+        text = config(redis_url, self.base, n, size, partitions, budget)
         self.gateways: list[Proc] = []
         try:
             for _ in range(REPLICAS):
