@@ -39,18 +39,22 @@ class TierSpec:
     max_utilization: float
     queue_timeout_s: float
     price_multiplier: float
+    may_preempt: bool = False
 
-    def defaults(self) -> dict[str, float]:
+    def defaults(self) -> dict[str, float | bool]:
         return {
             "max_utilization": self.max_utilization,
             "queue_timeout_s": self.queue_timeout_s,
             "price_multiplier": self.price_multiplier,
+            "may_preempt": self.may_preempt,
         }
 
 
 # The tier table: adding a tier is a row here, a member of Tier and a field of TiersConfig.
 TIERS: dict[Tier, TierSpec] = {
-    Tier.PRIORITY: TierSpec(0, -1, max_utilization=1.0, queue_timeout_s=60.0, price_multiplier=1.5),
+    Tier.PRIORITY: TierSpec(
+        0, -1, max_utilization=1.0, queue_timeout_s=60.0, price_multiplier=1.5, may_preempt=True
+    ),
     Tier.DEFAULT: TierSpec(1, 0, max_utilization=1.0, queue_timeout_s=30.0, price_multiplier=1.0),
     Tier.FLEX: TierSpec(2, 1, max_utilization=0.8, queue_timeout_s=10.0, price_multiplier=0.5),
 }
@@ -68,6 +72,12 @@ class TierPolicy(BaseModel):
     # model's slots per weight (then its oldest waiter), the fewest tokens reserved per
     # weight, or plain arrival order.
     fairness: Literal["accounts", "tokens", "fifo"] = "accounts"
+    # A request of this tier that would queue takes the slot of a flex request that has not
+    # sent its first byte yet (docs/api.md, preemption).
+    may_preempt: bool = False
+    # What a flex request preempted so gets: a 429 `preempted` (reject), or its place back
+    # at the head of the flex queue (requeue). Read for flex only.
+    on_preempt: Literal["reject", "requeue"] = "reject"
 
 
 _DEFAULTS = {tier.value: spec.defaults() for tier, spec in TIERS.items()}

@@ -361,9 +361,7 @@ class Admission:
         load penalty, token budget). Redis's endpoint index learns them now once admission
         started (before, at the first acquire or sweep); a write that fails is made whole by
         the next sweep."""
-        by_part: dict[str, list[EndpointSpec]] = {
-            p: [] for p in self.rotations[model].parts
-        }
+        by_part: dict[str, list[EndpointSpec]] = {p: [] for p in self.rotations[model].parts}
         for endpoint in endpoints:
             part = self._part_of.get((model, endpoint[0]))
             if part in by_part:

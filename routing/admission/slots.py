@@ -7,7 +7,7 @@ times come from Redis `TIME` inside the scripts, never from a replica's clock.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from routing.store.scripts import Call
 from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier
 
-GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL, NO_INDEX = 1, 2, 0, -1, -2, -3
+GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL, NO_INDEX, PAST_DEADLINE = 1, 2, 0, -1, -2, -3, -4
 # A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
 RANK = 10**15
 # A tier's ceiling that does not bind (as in prelude.lua).
@@ -49,9 +49,12 @@ class Attempt:
     place: int
     # For BUSY while Redis is being rebuilt: ms until the rebuild window ends (else 0).
     rebuild_ms: int = 0
-    # For BUSY/QUEUED/FULL: the grants likely to go before it (its own turn under fair
-    # share; else `ahead`).
+    # For BUSY/QUEUED/FULL/PAST_DEADLINE: the grants likely to go before it (its own turn
+    # under fair share; else `ahead`).
     turn: int = 0
+    # For QUEUED: a lease of a tier that may be preempted was taken for it (its holder
+    # gives it back: the wait is one of the holder's round trips).
+    preempted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +110,7 @@ def account_key(account: str) -> str:
 # A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.
 _MODEL_KEYS = (
     "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
-    "ep_tok",
+    "ep_tok", "pre", "doomed",
 )  # fmt: skip
 # How each tier shares a model's slots among waiting accounts (`tiers.<tier>.fairness`), as
 # the scripts spell it (prelude.lua `parse_spec`).
@@ -139,6 +142,7 @@ class ModelSlots:
         timing: Timing,
         fair: dict[Tier, bool] | dict[Tier, str] | None = None,
         *,
+        preempt: Collection[Tier] = (),
         declare_all: bool = True,
     ) -> None:
         """`declare_all`: pass the scripts every key of the model, not only the leases
@@ -172,7 +176,7 @@ class ModelSlots:
         self.ring = Ring(())
         self.urls: list[str] = []
         self._rechecked = 0
-        self.configure(utilization, max_queue, fair)
+        self.configure(utilization, max_queue, fair, preempt=preempt)
 
     def configure(
         self,
@@ -180,12 +184,18 @@ class ModelSlots:
         max_queue: int,
         fair: dict[Tier, bool] | dict[Tier, str] | None = None,
         configured: Iterable[str] | None = None,
+        preempt: Collection[Tier] = (),
     ) -> None:
         """Tier ceilings, queue bound, how each tier shares between accounts (`fair`: its
         fairness, accounts | tokens | fifo, or True for accounts and False for fifo;
-        default: accounts) and the model's endpoints as configured (see `_ceiling`), set
-        again by a config reload."""
+        default: accounts), the model's endpoints as configured (see `_ceiling`) and the
+        tiers that may preempt flex (`preempt`), set again by a config reload."""
         self.max_queue = max_queue
+        # Each tier's part in preemption, as the scripts spell it (prelude.lua `roles`):
+        # 'p' may preempt, 'v' flex when some tier may preempt it, '-' neither.
+        self._roles = "".join(
+            "p" if t in preempt else "v" if t is Tier.FLEX and preempt else "-" for t in BY_RANK
+        )
         if configured is not None:
             self.configured = frozenset(configured)
         # Each endpoint's whole budget: the largest it was given since the config (a budget
@@ -217,7 +227,10 @@ class ModelSlots:
         # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, which
         # tiers share between accounts.
         self._pump_spec = " ".join(
-            map(str, [self._timing.claim_ms, *self._ceilings, self._fair, *self._shares])
+            map(
+                str,
+                [self._timing.claim_ms, *self._ceilings, self._fair, *self._shares, self._roles],
+            )
         )
         # The index's version: its endpoints and sizes (penalties change too often to count).
         sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _, _) in self._spec.items()))
@@ -249,7 +262,7 @@ class ModelSlots:
         t = self._timing
         args: list[Any] = [self.version, base, int(self.known), t.rebuild_ms, len(changed)]
         for url in changed:
-            args += (url, *spec[url])
+            args += (url, *spec[url], self._whole.get(url, 0))
         args += (len(leaving), *leaving)
         return ("index", self._key, args)
 
@@ -287,19 +300,25 @@ class ModelSlots:
         may_wait: bool,
         affinity: Sequence[str] | None = None,
         account: tuple[str, int] | None = None,
+        max_turn: int = -1,
+        at_head: bool = False,
     ) -> Call:
         """`affinity`: take the first of these endpoints with room (prefix-cache order, a
         few: `PREFERRED`); else the least loaded. `account` (its key and limit, on one Redis
         only: the call then touches two hash tags): take the account's own slot first, or
-        nothing (`ACCOUNT_FULL`)."""
+        nothing (`ACCOUNT_FULL`). `max_turn`: the most grants it may wait behind to meet
+        its deadline (-1: none; more: `PAST_DEADLINE`, not queued). `at_head`: queued before
+        its tier's waiters (a preempted request's second try)."""
         preferred = [u for u in affinity if u in self._spec] if affinity else []
         t = self._timing
+        role = self._roles[tier.rank]
         packed = (
             f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
-            + self._pump_spec
+            f"{max_turn} {int(at_head)} {int(role == 'p')} " + self._pump_spec
         )
         args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank],
-                self._shares[tier.rank], len(preferred), *preferred, packed]  # fmt: skip
+                self._shares[tier.rank], "v" if role == "v" else "-", len(preferred),
+                *preferred, packed]  # fmt: skip
         if account is None:
             return ("acquire", self._key, args)
         return ("acquire", [*self._key, account[0]], [*args, account[1]])
@@ -320,6 +339,15 @@ class ModelSlots:
         ('' for an id Redis does not know)."""
         fair = int(self._fair[rank] != "f")
         return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair])
+
+    def preemptible(self, tier: Tier) -> bool:
+        """Whether a lease of `tier` may be preempted until its request starts (`start`)."""
+        return self._roles[tier.rank] == "v"
+
+    def start(self, lease_id: str, endpoint: str) -> Call:
+        """A preemptible lease's request is about to send its first byte: from then on it
+        is never preempted. Reply 1: go on; 0: it was preempted first."""
+        return ("start", self._key, [lease_id, endpoint])
 
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
@@ -383,9 +411,11 @@ def attempt(reply: Any) -> Attempt:
         return Attempt(GRANTED, text(reply), 0, 0, 0)
     ahead = int(reply[3])
     turn = int(reply[6]) if len(reply) > 6 else ahead
+    place = int(reply[4])  # negated when a lease was preempted for it
     return Attempt(
-        int(reply[0]), text(reply[1]), int(reply[2]), ahead, int(reply[4]), int(reply[5]), turn
-    )
+        int(reply[0]), text(reply[1]), int(reply[2]), ahead, abs(place), int(reply[5]), turn,
+        place < 0,
+    )  # fmt: skip
 
 
 def sweep_result(reply: Sequence[Any]) -> Sweep:

@@ -46,7 +46,9 @@ TRANSACTION = "MULTI"
 # What a failed call raises: Redis did not do it, or may not have (the outage answers).
 STORE_ERRORS = (RedisError, OSError)
 
-_PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move", "index")
+_PRELUDED = (
+    "acquire", "release", "account", "cancel", "claim", "sweep", "move", "index", "start",
+)  # fmt: skip
 _PLAIN = ("account_keep", "heartbeat", "usage")
 # Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions
 # a script's common case calls, named on its `-- @needs` line; where each begins.

@@ -149,8 +149,8 @@ def test_an_acquire_and_a_release_do_not_grow_with_the_endpoints(n: int) -> None
     made = slots([(u, 2) for u in urls])
     acquire = made.acquire("l1", Tier.DEFAULT, may_wait=True, affinity=urls[:4])
     release = made.release(["l1"], endpoint=urls[0])
-    # id, ttl, rank, ceiling, share of a token budget, k, preferred, packed
-    assert len(acquire[2]) == 7 + min(n, 4)
+    # id, ttl, rank, ceiling, share of a token budget, preemptible, k, preferred, packed
+    assert len(acquire[2]) == 8 + min(n, 4)
     assert len(release[2]) == 4  # spec, count, id, endpoint
 
 

@@ -63,10 +63,23 @@ async def test_the_ids_reservation_is_held_on_its_endpoint_and_given_back(
 async def test_a_tier_fills_at_most_its_share_of_a_budget(real_redis: aioredis.Redis) -> None:
     m = Model(real_redis, budgeted((1000, None)))
     m.slots.set_endpoints([(A, 8, 0.0, 1000)])
-    assert (await m.acquire(lid("flex", 900), Tier.FLEX)).status == BUSY  # 900 > 800
-    assert (await m.acquire(lid("flex-ok", 800), Tier.FLEX)).status == GRANTED
-    assert (await m.acquire(lid("default", 200))).status == GRANTED  # default: all of it
+    assert (await m.acquire(lid("default", 100))).status == GRANTED
+    assert (await m.acquire(lid("flex", 800), Tier.FLEX)).status == BUSY  # 900 > 800
+    assert (await m.acquire(lid("flex-ok", 700), Tier.FLEX)).status == GRANTED
+    assert (await m.acquire(lid("default2", 200))).status == GRANTED  # default: all of it
     assert await reserved(m) == {A: 1000}
+
+
+async def test_alone_on_an_endpoint_a_request_always_fits(real_redis: aioredis.Redis) -> None:
+    """A budget that adapts may shrink below a request its whole budget holds: with nothing
+    else reserved there, it runs (as vLLM runs one sequence its cache holds); so does a flex
+    request above flex's share of an empty endpoint (all of it is spare)."""
+    m = Model(real_redis, budgeted((1000, None)))
+    m.slots.set_endpoints([(A, 8, 0.0, 400)])  # shrunk from 1000
+    assert (await m.acquire(lid("big", 900))).status == GRANTED
+    assert (await m.acquire(lid("small", 10))).status == BUSY  # not beside it
+    await m.release(lid("big", 900))
+    assert (await m.acquire(lid("flex", 390), Tier.FLEX)).status == GRANTED  # > 0.8 x 400
 
 
 async def test_an_endpoint_without_a_budget_takes_any_reservation(

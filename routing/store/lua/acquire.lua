@@ -1,24 +1,30 @@
 -- Take a slot for a request, or queue it, or say why not. One round trip.
 -- KEYS: 1 the model's leases (prelude), 2 on one Redis the account's key (see below).
 -- ARGV: 1 lease_id, 2 ttl_ms, 3 rank, 4 its tier's ceiling (or UNBOUND: prelude), 5 the
---       share of an endpoint's token budget its tier may fill, 6 k, 7.. the k endpoints
---       prefix-cache affinity prefers, in order (prelude: `seat`; k small and fixed, 0
---       without affinity: the endpoints themselves are in Redis, not passed), then in one
---       argument "may_wait (0|1) max_queue waiter_ttl_ms known rebuild_ms" and the spec
---       (prelude: `parse_spec`) (known: this replica has seen the model's state before,
---       0|1; see `lost`); with ACCOUNT, then the account's limit. The id carries its
---       account, weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
--- The common case reads only the first six and the preferred: an argument costs a script
+--       share of an endpoint's token budget its tier may fill, 6 'v' when its lease may be
+--       preempted until it starts (a flex request, where a tier may preempt: prelude
+--       `pre`), else '-', 7 k, 8.. the k endpoints prefix-cache affinity prefers, in order
+--       (prelude: `seat`; k small and fixed, 0 without affinity: the endpoints themselves
+--       are in Redis, not passed), then in one argument "may_wait (0|1) max_queue
+--       waiter_ttl_ms known rebuild_ms max_turn at_head (0|1) may_preempt (0|1)" and the
+--       spec (prelude: `parse_spec`) (known: this replica has seen the model's state
+--       before, 0|1, see `lost`; max_turn: the most grants it may wait behind to meet its
+--       deadline, -1 for none; at_head: a preempted request queued again before its tier's
+--       waiters); with ACCOUNT, then the account's limit. The id carries its account,
+--       weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
+-- The common case reads only the first seven and the preferred: an argument costs a script
 -- about 170 ns whether it reads it or not, so the others come packed.
 -- Returns, when granted, the endpoint (a string: a table reply costs Redis about 1.5 usec
 -- more); else {status, '', inflight, ahead, seq, rebuild, turn}: status 2 queued (seq = its
 -- place in its tier), 0 busy, -1 full (ahead = waiters of the same or a better tier), -2 the
 -- account is at its limit, -3 Redis holds no endpoint index for the model (a first start,
 -- or Redis lost it: nothing was taken, the replica writes it with index.lua and asks
--- again); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
--- the rebuild window when that is why it is busy, else 0.
+-- again), -4 its wait would pass its deadline (more than max_turn grants ahead: it is not
+-- queued); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
+-- the rebuild window when that is why it is busy, else 0. Queued, its seq is negated when a
+-- lease was preempted for it (prelude: `preempt`).
 -- @needs now_ms take_account tokens_of parse_ep rescore take_slot take_any seat
-local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[6])
+local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[7])
 local tokens, frac = tokens_of(id), tonumber(ARGV[5])
 local now = now_ms()
 -- The expiry of what is taken, as text once (a number would be converted by each call).
@@ -36,7 +42,7 @@ if not loads[3] then return {-3, '', 0, 0, 0, 0, 0} end
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
 -- trip). At the limit nothing is taken: status -2.
 if ACCOUNT then
-  local limit = tonumber(ARGV[8 + k])
+  local limit = tonumber(ARGV[9 + k])
   if not take_account(ACCOUNT, id, limit, now, expiry, ttl) then return {-2, '', 0, 0, 0, 0} end
 end
 -- The common case costs a few reads: the model's state known, no rebuild window, nobody
@@ -44,15 +50,19 @@ end
 -- meanwhile (a replica died) only make the model look fuller until the sweep reclaims them.
 if loads[1] == STEADY and loads[2] and loads[2] % 2 == 0
     and (ARGV[4] == UNBOUND or redis.call('ZCARD', LEASES) < tonumber(ARGV[4])) then
-  local ep = seat(id, expiry, ARGV, 7, k, tokens, frac)
-  if ep then return ep end
+  local ep = seat(id, expiry, ARGV, 8, k, tokens, frac)
+  if ep then
+    if ARGV[6] == 'v' then redis.call('ZADD', PRE, now, id .. ' ' .. ep) end
+    return ep
+  end
 end
 -- @rest
 
 local rank = tonumber(ARGV[3])
-local t = words(ARGV[7 + k])
+local t = words(ARGV[8 + k])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
-local claim, ceilings, fair, fracs = parse_spec(t, 6)
+local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1'
+local claim, ceilings, fair, fracs = parse_spec(t, 9)
 if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
 steady(loads[1])
 -- An id queued before (an acquire sent again) leaves its old place first.
@@ -64,9 +74,10 @@ pump((now + claim) .. '', ceilings, fair, fracs)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 if inflight() < ceilings[rank + 1] and not rebuilding() then
-  local ep = seat(id, expiry, ARGV, 7, k, tokens, frac)
+  local ep = seat(id, expiry, ARGV, 8, k, tokens, frac)
   if ep then
     count(id, 1)
+    if ARGV[6] == 'v' then redis.call('ZADD', PRE, now, id .. ' ' .. ep) end
     return ep
   end
 end
@@ -83,7 +94,13 @@ if may_wait ~= '1' then return {0, '', held, ahead, 0, 0, turn} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
 if ahead >= tonumber(max_queue) then return {-1, '', held, ahead, 0, 0, turn} end
-local seq = redis.call('INCR', SEQ)
-enqueue(id, rank, tostring(seq), own)
+-- A tier that may preempt takes a slot from a flex request that has not started, rather
+-- than waiting for one to end; one whose wait would pass its deadline is not queued.
+local preempted = may_preempt and preempt(now, rank) == 1
+if not preempted and max_turn >= 0 and turn > max_turn then
+  return {-4, '', held, ahead, 0, 0, turn}
+end
+local seq = at_head and head_seq(rank) or tostring(redis.call('INCR', SEQ))
+enqueue(id, rank, seq, not at_head and own or nil)
 redis.call('ZADD', QEXP, now + tonumber(waiter_ttl), id)
-return {2, '', held, ahead, seq, 0, turn}
+return {2, '', held, ahead, preempted and -tonumber(seq) or tonumber(seq), 0, turn}

@@ -6,8 +6,9 @@
 -- KEYS: 1 the model's leases (prelude).
 -- ARGV: 1 version, 2 base: '' when the endpoints given are all those in rotation (any other
 --       leaves the index), else the version the change applies to (the writer's last
---       write), 3 known, 4 rebuild_ms (prelude: `lost`), 5 n, then n quadruples url,
---       max_concurrency, penalty, token budget (0: none), then m and m urls that leave.
+--       write), 3 known, 4 rebuild_ms (prelude: `lost`), 5 n, then n fives url,
+--       max_concurrency, penalty, token budget (0: none) and whole budget (what it holds
+--       unadapted: prelude `parse_ep`), then m and m urls that leave.
 -- O(n + m), and O(endpoints in the index) when whole: run on a change, never per request.
 -- Returns 1; 0 when a change finds another version than its base (Redis lost the index,
 -- or another replica wrote its own view since): nothing is written, the replica writes
@@ -18,11 +19,11 @@ local now = now_ms()
 lost(now, ARGV[3], ARGV[4])
 local n = tonumber(ARGV[5])
 local given, spec = {}, {}
-for i = 6, 5 + 4 * n, 4 do
+for i = 6, 5 + 5 * n, 5 do
   given[ARGV[i]] = true
   spec[#spec + 1] = ARGV[i]
-  -- "size penalty", and " budget" where the endpoint holds one (prelude: `eps`).
-  local budget = ARGV[i + 3] ~= '0' and (' ' .. ARGV[i + 3]) or ''
+  -- "size penalty", and " budget whole" where the endpoint holds one (prelude: `eps`).
+  local budget = ARGV[i + 3] ~= '0' and (' ' .. ARGV[i + 3] .. ' ' .. ARGV[i + 4]) or ''
   spec[#spec + 1] = ARGV[i + 1] .. ' ' .. ARGV[i + 2] .. budget
 end
 local leave = {}
@@ -31,7 +32,7 @@ if ARGV[2] == '' then
     if not given[url] then leave[#leave + 1] = url end
   end
 else
-  local at = 6 + 4 * n
+  local at = 6 + 5 * n
   for i = at + 1, at + tonumber(ARGV[at]) do leave[#leave + 1] = ARGV[i] end
 end
 -- In parts: Lua's unpack takes a few thousand values at most.
@@ -43,7 +44,7 @@ end
 for from = 1, #spec, 2000 do
   redis.call('HSET', EPS, unpack(spec, from, math.min(from + 1999, #spec)))
 end
-for i = 6, 5 + 4 * n, 4 do
+for i = 6, 5 + 5 * n, 5 do
   rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
 end
 redis.call('HSET', EP_LOAD, '~v', ARGV[1])

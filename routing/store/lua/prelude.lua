@@ -38,7 +38,13 @@
 --          waiters of a dead replica leave the queue within the waiter TTL
 -- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
 --          is granted until every replica has written back its own
--- wake     the channel granted waiters are woken on
+-- wake     the channel granted waiters are woken on ("id endpoint"), and the holders of
+--          preempted leases told ("!id endpoint")
+-- pre      ZSET "lease_id url" -> when granted (ms), of the leases of a tier that may be
+--          preempted (flex) whose request has not sent its first byte yet (start.lua takes
+--          it out then): what a newcomer of a tier that may preempt takes a slot from
+-- doomed   ZSET lease_id -> when preempted (ms): leases whose holder was told to give them
+--          back (it does, after cutting its request at the worker short)
 -- Fair share's keys (prelude's rest) are named the same way. What each script costs, in O()
 -- of the endpoints (n), queue (w) and waiting accounts (a): docs/architecture.md.
 -- The state marker's value when no rebuild window can be open: the common case's test.
@@ -52,7 +58,7 @@ local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 -- names, and what a call reads once (a call runs at one instant). The scripts run as one
 -- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
 -- else each as a script that binds its own KEYS first.
-local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, EP_TOK, QEXP, EPS, FREE, ACCOUNT
+local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, EP_TOK, QEXP, EPS, FREE, ACCOUNT, PRE, DOOMED
 local SEQ, REBUILD, CHANNEL, HELD
 -- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
 -- pick in the same call answers without a call (a full model's acquire picks twice).
@@ -61,14 +67,16 @@ local SEQ, REBUILD, CHANNEL, HELD
 -- `rebuild_open`: whether a rebuild window is open (`rebuilding`). `ranks`: how many tiers,
 -- RANKS or as many as the caller's spec names (`parse_spec`). `modes`: each tier's fair
 -- share by the spec ('a' accounts' requests, 't' their tokens, false first come first
--- served; nil: not known, requests).
-local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes
+-- served; nil: not known, requests). `roles`: each tier's part in preemption by the spec
+-- ('p' may preempt, 'v' may be preempted, '-' neither; nil: not known, none).
+local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes, roles
 
 local function bind(keys)
   LEASES = keys[1]
   BASE = string.sub(LEASES, 1, -7)
   QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
   EP_TOK = BASE .. 'ep_tok'
+  PRE, DOOMED = BASE .. 'pre', BASE .. 'doomed'
   QEXP = BASE .. 'qexp'
   EPS, FREE = BASE .. 'eps', BASE .. 'free'
   SEQ, REBUILD, CHANNEL, HELD = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake', BASE .. 'held'
@@ -77,7 +85,7 @@ local function bind(keys)
   -- `declare_all`, and never an account's: it lives on another node).
   ACCOUNT = keys[#keys == 2 and 2 or 0]
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
-  modes = nil
+  modes, roles = nil, nil
 end
 
 -- @fn now_ms
@@ -108,10 +116,13 @@ local function tokens_of(id)
 end
 
 -- @fn parse_ep
--- An endpoint's entry in `eps`: its size, penalty and token budget (nil: none).
+-- An endpoint's entry in `eps`: its size, penalty, token budget (nil: none) and whole
+-- budget (what it holds before adaptation shrinks it: the most a request alone there may
+-- reserve).
 local function parse_ep(spec)
-  local size, penalty, budget = string.match(spec, '^(%S+) (%S+) ?(%S*)')
-  return tonumber(size), tonumber(penalty), tonumber(budget)
+  local size, penalty, budget, whole = string.match(spec, '^(%S+) (%S+) ?(%S*) ?(%S*)')
+  budget = tonumber(budget)
+  return tonumber(size), tonumber(penalty), budget, tonumber(whole) or budget
 end
 
 -- @fn rescore
@@ -160,10 +171,12 @@ local function take_slot(ep, t, frac)
     redis.call('ZREM', FREE, ep)
     return false, false
   end
-  local size, _, budget = parse_ep(spec)
+  local size, _, budget, whole = parse_ep(spec)
   local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
   local tok = t > 0 and redis.call('HINCRBY', EP_TOK, ep, t) or nil
-  if load <= size and (not budget or t == 0 or tok <= budget * frac) then
+  -- Alone on the endpoint a request fits its whole budget: a budget that adapts may have
+  -- shrunk below it, and a tier's share leaves an empty endpoint's spare room unused.
+  if load <= size and (not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole)) then
     rescore(ep, load, spec, tok)
     return true, true
   end
@@ -722,7 +735,37 @@ local function grant_head(head, ep, claim_until)
   local m = id .. ' ' .. ep
   redis.call('ZADD', LEASES, claim_until, m)
   redis.call('HSET', EP_OF, id, ep)
+  if roles and roles[head.rank + 1] == 'v' then redis.call('ZADD', PRE, now_ms(), m) end
   redis.call('PUBLISH', CHANNEL, m)
+end
+
+-- A newcomer of tier `rank`, which may preempt, is about to queue: a lease of a tier that
+-- may be preempted whose request has sent nothing yet (`pre`: the latest granted first, the
+-- least work lost) is taken from its holder for it, unless enough are on their way out
+-- already for those waiting ahead of it (`doomed`). The holder is told ("!id endpoint"),
+-- cuts its request at the worker short and gives the lease back; its release hands the slot
+-- to the best waiter, the newcomer unless someone better waits: so no worker ever runs more
+-- than its size, even for a moment. Returns 1 when a lease was taken for it.
+local function preempt(now, rank)
+  if redis.call('ZCARD', DOOMED) > waiting_upto(rank) then return 0 end
+  for _, m in ipairs(redis.call('ZREVRANGE', PRE, '0', '3')) do
+    redis.call('ZREM', PRE, m)
+    if redis.call('ZSCORE', LEASES, m) then  -- else it ended meanwhile: the next
+      redis.call('ZADD', DOOMED, now, string.match(m, '^[^ ]+'))
+      redis.call('PUBLISH', CHANNEL, '!' .. m)
+      return 1
+    end
+  end
+  return 0
+end
+
+-- The sequence that puts a waiter of tier `rank` before every one queued there now (a
+-- preempted request requeued at the head of its tier), or nil when none waits there.
+local function head_seq(rank)
+  local first = redis.call('ZRANGEBYSCORE', QUEUE, score(rank * RANK),
+    '(' .. score((rank + 1) * RANK), 'WITHSCORES', 'LIMIT', 0, 1)
+  if not first[1] then return nil end
+  return score(tonumber(first[2]) % RANK - 1)
 end
 
 -- Hand free slots to waiters, best tier first, while there is room; wake each by message.
@@ -758,15 +801,17 @@ local function hand_on(gone, ep, claim_until, ceilings, fair, fracs)
   if rebuilding() or has_room() then return false end
   local spec = redis.call('HGET', EPS, ep)
   if not spec then return false end
-  local size, _, budget = parse_ep(spec)
+  local size, _, budget, whole = parse_ep(spec)
   local load = tonumber(redis.call('HGET', EP_LOAD, ep)) or 0
   if load > size then return false end
   local head = eligible_head(ceilings, fair)
   if not head then return false end
-  local delta = tokens_of(head.id) - tokens_of(gone)
+  local t = tokens_of(head.id)
+  local delta = t - tokens_of(gone)
   if delta ~= 0 then
     local tok = redis.call('HINCRBY', EP_TOK, ep, delta)
-    if budget and delta > 0 and tok > budget * (fracs[head.rank + 1] or 1) then
+    local alone = tok == t and t <= whole
+    if budget and delta > 0 and tok > budget * (fracs[head.rank + 1] or 1) and not alone then
       redis.call('HINCRBY', EP_TOK, ep, -delta)
       return false
     end
@@ -807,9 +852,11 @@ end
 -- script about 170 ns whether read or not), as words (`words`) from index `at`:
 -- "claim_ms n ceiling.. fair frac..", the tiers' ceilings best first, then one letter per
 -- tier, best first ('a' shares between accounts by their requests, 't' by their tokens, 'f'
--- first come first served), then each tier's share of an endpoint's token budget. The
+-- first come first served), then each tier's share of an endpoint's token budget, then one
+-- letter per tier for preemption ('p' may preempt, 'v' may be preempted, '-' neither). The
 -- endpoints are not in it: they are in the index (`eps`, `free`). Returns claim_ms, the
--- ceilings, each tier's way of sharing ('a', 't' or false: `modes` too) and the shares.
+-- ceilings, each tier's way of sharing ('a', 't' or false: `modes` too) and the shares
+-- (and sets `roles`).
 local function parse_spec(t, at)
   local a = (at or 1) - 1
   local n = tonumber(t[a + 2])
@@ -824,5 +871,8 @@ local function parse_spec(t, at)
     fracs[i] = tonumber(t[a + 3 + n + i]) or 1
   end
   modes = fair
+  local letters = t[a + 4 + 2 * n] or ''
+  roles = {}
+  for i = 1, n do roles[i] = string.sub(letters, i, i) end
   return tonumber(t[a + 1]), ceilings, fair, fracs
 end

@@ -105,6 +105,13 @@ end
 waiting = waiting or requeued > 0
 mend_waits(waiting)
 if waiting then pump((now + claim) .. '', ceilings, fair, fracs) end
+-- Preemption's marks that outlived their use: a lease that has not started within two lease
+-- TTLs is no longer offered (its request is slow, or ended without saying), a preempted
+-- one whose holder never gave it back (it died) is reclaimed by its expiry anyway.
+if roles and string.find(table.concat(roles), 'v', 1, true) then
+  redis.call('ZREMRANGEBYSCORE', PRE, '-inf', now - 2 * ttl)
+  redis.call('ZREMRANGEBYSCORE', DOOMED, '-inf', now - ttl)
+end
 -- The waiting bit the common cases read, set right (it is kept at each change of the
 -- queue between empty and not; a sweep mends whatever slipped).
 local marks = mark_waiting(queue_size() > 0)
