@@ -6,8 +6,9 @@ it, or after `passive_5xx` 5xx answers in a row (Envoy's outlier detection, simp
 passively ejected endpoint stays out for a back-off that doubles with each ejection, then
 comes back with its next good probe. Endpoints with `metrics: true` also have their
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
-new requests to less loaded workers. Changes reach admission through `on_change`: a
-probe round's changes in one call, after the round.
+new requests to less loaded workers. Endpoints with a token budget to read (`auto`) or to
+adapt have it read too, for that alone (routing/hop/budgets.py). Changes reach admission
+through `on_change`: a probe round's changes in one call, after the round.
 
 Probes go over the aiohttp session it is given at start, else over a session of its own
 (the gateway's case: the hop's connections are routing/hop/client.py's, not aiohttp's).
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from routing.background import BackgroundErrors, every
 from routing.hop import scrape
+from routing.hop.budgets import TokenBudgets
 from routing.hop.scrape import Reading
 from routing.registry import Model
 
@@ -82,6 +84,8 @@ class Health:
         self._clock = clock
         self._errors = errors if errors is not None else BackgroundErrors()
         self.endpoints: dict[str, EndpointHealth] = {}
+        models = list(models)
+        self.budgets = TokenBudgets(models, clock)
         # While a probe round's results are applied: the endpoints changed, told after.
         self._round: set[str] | None = None
         for model in models:
@@ -110,6 +114,7 @@ class Health:
             if mine is not None:
                 known.size, known.scrape = mine.size, mine.scrape
                 self.endpoints[url] = known
+        self.budgets.adopt(previous.budgets)
 
     def is_up(self, url: str) -> bool:
         health = self.endpoints.get(url)
@@ -118,6 +123,10 @@ class Health:
     def penalty(self, url: str) -> float:
         health = self.endpoints.get(url)
         return health.penalty if health is not None else 0.0
+
+    def budget(self, model: str, url: str) -> int | None:
+        """`model`'s token budget on the endpoint now (None: none, or not known yet)."""
+        return self.budgets.budget(model, url)
 
     # --- passive signals from real requests ---------------------------------------------
 
@@ -163,6 +172,8 @@ class Health:
             health.penalty = penalty
             if health.up:
                 self._changed(url)
+        if self.budgets.observe(url, reading):
+            self._changed(url)
         if not ok:
             health.good_probes = 0
             health.failed_probes += 1
@@ -234,9 +245,11 @@ class Health:
             raise failure
 
     async def _probe(self, health: EndpointHealth) -> tuple[bool, Reading | None]:
+        load, cache = self.budgets.needs(health.url)
         try:
             ok = (await self._get(health.url + "/health"))[0] == 200
-            reading = await self._read(health, True, False) if ok and health.scrape else None
+            read = ok and (health.scrape or load or cache)
+            reading = await self._read(health, health.scrape or load, cache) if read else None
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok, reading = False, None
         return ok, reading
