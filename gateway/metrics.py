@@ -183,13 +183,19 @@ class Metrics:
         )  # fmt: skip
 
     def _declare_workers(self, r: CollectorRegistry) -> None:
-        """The hop to workers: its failures and which endpoints are in rotation."""
+        """The hop to workers: its failures, which endpoints are in rotation and the token
+        budget admission holds each to."""
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Failures talking to workers.",
             ["model", "endpoint", "kind"], registry=r,
         )  # fmt: skip
         self.endpoint_up = Gauge(
             "gateway_endpoint_up", "1 while an endpoint is in rotation.",
+            ["model", "endpoint"], registry=r, multiprocess_mode=SHARED_VIEW,
+        )  # fmt: skip
+        self.token_budget = Gauge(
+            "gateway_token_budget",
+            "A model's token budget on an endpoint, after adaptation (NaN: auto, not read yet).",
             ["model", "endpoint"], registry=r, multiprocess_mode=SHARED_VIEW,
         )  # fmt: skip
 

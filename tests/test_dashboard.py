@@ -353,3 +353,19 @@ def test_fleet_wide_gauges_are_not_summed_over_replicas() -> None:
             assert re.search(r"\bmax\b", expr), f"{panel['title']!r}: use max for {hits}"
             assert "max" in panel["description"] or "sum" in panel["description"]
     assert seen == fleet_wide
+
+
+def test_the_token_budget_has_a_panel_that_does_not_sum_replicas() -> None:
+    """gateway_token_budget is each replica's view of the same workers' budgets (each adapts
+    on its own readings): a sum would multiply it by the replica count."""
+    found = [
+        (panel, target)
+        for panel, target in TARGETS
+        if "gateway_token_budget" in metrics_in(target["expr"])
+    ]
+    assert found, "gateway_token_budget has no panel"
+    for panel, target in found:
+        assert not re.search(r"\bsum\b", target["expr"]), panel["title"]
+        assert re.search(r"\b(max|min)\b", target["expr"]), panel["title"]
+        _, _, grouping, _ = parse_expr(target["expr"])
+        assert {"model", "endpoint"} <= grouping, panel["title"]

@@ -21,7 +21,7 @@ from routing.hop.client import HopClient
 from routing.hop.endpoints import Pools
 from routing.hop.health import Health
 from routing.ledger.spool import UsageSpool
-from routing.registry import EndpointConfig, Registry
+from routing.registry import Registry
 from routing.store.causes import StoreErrors
 from routing.store.connect import call_timeout, connect, script_store, subscriber
 from routing.store.probe import probe
@@ -103,20 +103,27 @@ class GatewayState:
         )
 
     def _health_changed(self, urls: set[str]) -> None:
-        """Endpoints went in or out of rotation: capacities, scripts and gauges follow."""
+        """Endpoints went in or out of rotation, or their penalty or token budget changed:
+        capacities, scripts and gauges follow (Redis's index is written what changed)."""
+        health = self.health
         for model in self.registry:
             if not any(e.base_url in urls for e in model.config.endpoints):
                 continue
+            name = model.name
             healthy: list[EndpointSpec] = [
-                (e.base_url, e.max_concurrency, self.health.penalty(e.base_url), _budget(e))
+                (url, e.max_concurrency, health.penalty(url), health.budget(name, url))
                 for e in model.config.endpoints
-                if self.health.is_up(e.base_url)
+                if health.is_up(url := e.base_url)
             ]
-            self.admission.set_endpoints(model.name, healthy)
-            self.metrics.capacity.labels(model.name).set(self.admission.capacity(model.name))
+            self.admission.set_endpoints(name, healthy)
+            self.metrics.capacity.labels(name).set(self.admission.capacity(name))
             for e in model.config.endpoints:
-                up = 1 if self.health.is_up(e.base_url) else 0
-                self.metrics.endpoint_up.labels(model.name, e.base_url).set(up)
+                up = 1 if health.is_up(e.base_url) else 0
+                self.metrics.endpoint_up.labels(name, e.base_url).set(up)
+                if e.max_tokens_in_flight is not None:  # NaN: `auto`, not read yet
+                    budget = health.budget(name, e.base_url)
+                    value = math.nan if budget is None else budget
+                    self.metrics.token_budget.labels(name, e.base_url).set(value)
 
     def begin_draining(self) -> None:
         """SIGTERM (called from the signal handler): /readyz says 503 and new requests are
@@ -168,6 +175,7 @@ class GatewayState:
         config = self._keep_restart_only(config)
         old_names = set(self.registry.names())
         old_slots = set(self.admission.slots)
+        old_budgets = self._budgeted()
         self.config = config
         self.registry = Registry(config.models)
         # Endpoints that leave stay known while leases still hold them.
@@ -184,10 +192,21 @@ class GatewayState:
         for gone in old_names - set(self.registry.names()):
             self.admission.set_endpoints(gone, [])
             self.metrics.capacity.labels(gone).set(0)
+        for model, url in old_budgets - self._budgeted():  # no budget now: none shown
+            self.metrics.token_budget.labels(model, url).set(math.nan)
         self._health_changed(set(self.health.endpoints))
         if set(self.admission.slots) != old_slots:  # new models or partitions
             self.keeper.resubscribe()
         log.info("config reloaded: %d models", len(config.models))
+
+    def _budgeted(self) -> set[tuple[str, str]]:
+        """The (model, endpoint) pairs the config gives a token budget."""
+        return {
+            (m.name, e.base_url)
+            for m in self.registry
+            for e in m.config.endpoints
+            if e.max_tokens_in_flight is not None
+        }
 
     def _keep_restart_only(self, config: GatewayConfig) -> GatewayConfig:
         """`config` with the running values of what changes only on restart (logged)."""
@@ -251,9 +270,3 @@ class GatewayState:
             for tier, depth in state.queued.items():
                 m.queue_depth.labels(model, tier.value).set(depth)
         m.publish()
-
-
-def _budget(endpoint: EndpointConfig) -> int | None:
-    """An endpoint's token budget, where the config gives a number."""
-    budget = endpoint.max_tokens_in_flight
-    return budget if isinstance(budget, int) else None

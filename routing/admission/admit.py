@@ -330,9 +330,10 @@ class Admission:
                     declare_all=not self.store.one_node,
                 )  # fmt: skip
                 self.slots[part] = slots
-                # Every endpoint is in rotation until health checks say otherwise.
+                # Every endpoint is in rotation until health checks say otherwise, with
+                # its configured budget (`auto`: none until its worker tells it).
                 slots.configured = frozenset(urls)
-                slots.set_endpoints([_first_spec(e) for e in endpoints])
+                slots.set_endpoints([_configured(e) for e in endpoints])
             else:
                 slots.configure(utilization, max_queue, _fair(tiers), urls)
             for url in urls:
@@ -357,10 +358,10 @@ class Admission:
                 self._send_index(self.slots[part])
 
     def set_endpoints(self, model: str, endpoints: Sequence[EndpointSpec]) -> None:
-        """The endpoints of `model` now in rotation (`EndpointSpec`: url, max_concurrency,
-        load penalty, token budget). Redis's endpoint index learns them now once admission
-        started (before, at the first acquire or sweep); a write that fails is made whole by
-        the next sweep."""
+        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty,
+        and its effective token budget or None), as `EndpointSpec`. Redis's endpoint index
+        learns what changed now once admission started (before, at the first acquire or
+        sweep); a write that fails is made whole by the next sweep."""
         by_part: dict[str, list[EndpointSpec]] = {p: [] for p in self.rotations[model].parts}
         for endpoint in endpoints:
             part = self._part_of.get((model, endpoint[0]))
@@ -406,9 +407,13 @@ def _queue_share(model: Model, dealt: Sequence[Sequence[EndpointConfig]]) -> int
     return -(-model.config.max_queue // max(filled, 1))
 
 
-def _first_spec(endpoint: EndpointConfig) -> EndpointSpec:
-    """An endpoint as admission first knows it: no penalty yet, its budget if the config
-    gives a number (`auto`: none until its worker says, routing/hop/health.py)."""
+def _url(endpoint: EndpointConfig) -> str:
+    return endpoint.base_url
+
+
+def _configured(endpoint: EndpointConfig) -> EndpointSpec:
+    """An endpoint as configured: no penalty yet, its budget if a number (`auto` is read
+    from the worker later: routing/hop/budgets.py)."""
     budget = endpoint.max_tokens_in_flight
     return (
         endpoint.base_url,
@@ -416,10 +421,6 @@ def _first_spec(endpoint: EndpointConfig) -> EndpointSpec:
         0.0,
         budget if isinstance(budget, int) else None,
     )
-
-
-def _url(endpoint: EndpointConfig) -> str:
-    return endpoint.base_url
 
 
 def _fair(tiers: TiersConfig) -> dict[Tier, str]:

@@ -6,7 +6,9 @@ it, or after `passive_5xx` 5xx answers in a row (Envoy's outlier detection, simp
 passively ejected endpoint stays out for a back-off that doubles with each ejection, then
 comes back with its next good probe. Endpoints with `metrics: true` also have their
 `/metrics` read on each probe: queue length and KV-cache use become a penalty that steers
-new requests to less loaded workers. Changes reach admission through `on_change`.
+new requests to less loaded workers. Endpoints with a token budget to read (`auto`) or to
+adapt have it read too, for that alone (routing/hop/budgets.py). Changes reach admission
+through `on_change`: a probe round's changes in one call, after the round.
 
 Probes go over the aiohttp session it is given at start, else over a session of its own
 (the gateway's case: the hop's connections are routing/hop/client.py's, not aiohttp's).
@@ -27,13 +29,16 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.background import BackgroundErrors, every
+from routing.hop import scrape
+from routing.hop.budgets import TokenBudgets
+from routing.hop.scrape import Reading
 from routing.registry import Model
 
 log = logging.getLogger("gateway.health")
 
-# vLLM renamed its KV-cache gauge; both are read.
-_WAITING = ("vllm:num_requests_waiting",)
-_KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# The most of a worker's answer a probe reads (a vLLM's /metrics is some 100 KB; one with
+# many LoRA adapters a few MB): past it, the answer is not read further.
+MAX_BODY_BYTES = 8 << 20
 
 
 class HealthSettings(BaseModel):
@@ -52,7 +57,7 @@ class HealthSettings(BaseModel):
 class EndpointHealth:
     url: str
     size: int  # the largest max_concurrency any model gives it: scales its queue penalty
-    scrape: bool
+    scrape: bool  # its /metrics make a penalty (`metrics: true`)
     up: bool = True
     failed_probes: int = 0
     good_probes: int = 0
@@ -61,6 +66,7 @@ class EndpointHealth:
     ejections: int = 0
     up_since: float = 0.0
     penalty: float = 0.0
+    told_too_large: bool = False
 
 
 class Health:
@@ -78,6 +84,10 @@ class Health:
         self._clock = clock
         self._errors = errors if errors is not None else BackgroundErrors()
         self.endpoints: dict[str, EndpointHealth] = {}
+        models = list(models)
+        self.budgets = TokenBudgets(models, clock)
+        # While a probe round's results are applied: the endpoints changed, told after.
+        self._round: set[str] | None = None
         for model in models:
             for e in model.config.endpoints:
                 known = self.endpoints.get(e.base_url)
@@ -104,6 +114,7 @@ class Health:
             if mine is not None:
                 known.size, known.scrape = mine.size, mine.scrape
                 self.endpoints[url] = known
+        self.budgets.adopt(previous.budgets)
 
     def is_up(self, url: str) -> bool:
         health = self.endpoints.get(url)
@@ -112,6 +123,10 @@ class Health:
     def penalty(self, url: str) -> float:
         health = self.endpoints.get(url)
         return health.penalty if health is not None else 0.0
+
+    def budget(self, model: str, url: str) -> int | None:
+        """`model`'s token budget on the endpoint now (None: none, or not known yet)."""
+        return self.budgets.budget(model, url)
 
     # --- passive signals from real requests ---------------------------------------------
 
@@ -147,14 +162,18 @@ class Health:
 
     # --- active probes -------------------------------------------------------------------
 
-    def probed(self, url: str, ok: bool, penalty: float | None = None) -> None:
+    def probed(self, url: str, ok: bool, reading: Reading | None = None) -> None:
+        """A probe's result: its health, and what its worker's /metrics said (None: not read)."""
         health = self.endpoints.get(url)
         if health is None:
             return
+        penalty = _penalty(reading, health.size) if health.scrape else None
         if penalty is not None and abs(penalty - health.penalty) > 0.02:
             health.penalty = penalty
             if health.up:
-                self._on_change({url})
+                self._changed(url)
+        if self.budgets.observe(url, reading):
+            self._changed(url)
         if not ok:
             health.good_probes = 0
             health.failed_probes += 1
@@ -174,7 +193,13 @@ class Health:
             health.up = up
             if up:
                 health.up_since = self._clock()
-            self._on_change({health.url})
+            self._changed(health.url)
+
+    def _changed(self, url: str) -> None:
+        if self._round is not None:
+            self._round.add(url)
+        else:
+            self._on_change({url})
 
     async def start(self, session: aiohttp.ClientSession | None = None) -> None:
         """Probe every `interval_s` over `session` (shared: left open on close), else over
@@ -195,50 +220,69 @@ class Health:
         self._session = None
 
     async def probe_all(self) -> None:
-        """One round: every endpoint probed, even when one probe fails unexpectedly; that
-        failure is raised once all are done (for the loop to count)."""
-        probes = [self._probe(h) for h in self.endpoints.values()]
-        results = await asyncio.gather(*probes, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        """One round: every endpoint probed, its results applied and their changes told in
+        one `on_change` (one write to admission per round, of what changed), even when one
+        probe fails unexpectedly; that failure is raised once all are done (for the loop
+        to count)."""
+        healths = list(self.endpoints.values())
+        results = await asyncio.gather(*map(self._probe, healths), return_exceptions=True)
+        failure: BaseException | None = None
+        changed: set[str] = set()
+        self._round = changed
+        try:
+            for health, result in zip(healths, results, strict=True):
+                try:
+                    if isinstance(result, BaseException):
+                        raise result
+                    self.probed(health.url, *result)
+                except Exception as exc:  # raised below, once the others are applied
+                    failure = failure or exc
+        finally:
+            self._round = None
+            if changed:
+                self._on_change(changed)
+        if failure is not None:
+            raise failure
 
-    async def _probe(self, health: EndpointHealth) -> None:
+    async def _probe(self, health: EndpointHealth) -> tuple[bool, Reading | None]:
+        load, cache = self.budgets.needs(health.url)
         try:
             ok = (await self._get(health.url + "/health"))[0] == 200
-            penalty = await self._load(health) if ok and health.scrape else None
+            read = ok and (health.scrape or load or cache)
+            reading = await self._read(health, health.scrape or load, cache) if read else None
         except (aiohttp.ClientError, TimeoutError, OSError):
-            ok, penalty = False, None
-        self.probed(health.url, ok, penalty)
+            ok, reading = False, None
+        return ok, reading
 
-    async def _load(self, health: EndpointHealth) -> float | None:
+    async def _read(self, health: EndpointHealth, load: bool, cache: bool) -> Reading | None:
         status, text = await self._get(health.url + "/metrics")
-        if status != 200:
+        if text is None and not health.told_too_large:
+            health.told_too_large = True
+            log.warning(
+                "endpoint %s: /metrics larger than %d bytes, not read", health.url, MAX_BODY_BYTES
+            )
+        if status != 200 or text is None:
             return None
-        waiting = _gauge(text, _WAITING)
-        kv_cache = _gauge(text, _KV_CACHE)
-        # Queued requests wait behind running ones; a full KV cache preempts. Both count.
-        return min(2.0, waiting / max(1, health.size)) + min(1.0, kv_cache)
+        return scrape.read(text, load=load, cache=cache)
 
-    async def _get(self, url: str) -> tuple[int, str]:
-        """Status and body, the whole body read (an answer that breaks off is a failure)."""
+    async def _get(self, url: str) -> tuple[int, str | None]:
+        """Status and body, the whole body read (an answer that breaks off is a failure);
+        None for a body larger than MAX_BODY_BYTES (not read further)."""
         assert self._session is not None
         get = self._session.get(url, timeout=self._timeout, allow_redirects=False)
         async with get as response:
-            return response.status, await response.text(errors="replace")
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    return response.status, None
+            return response.status, body.decode(errors="replace")
 
 
-def _gauge(text: str, names: tuple[str, ...]) -> float:
-    """The sum of a gauge's samples over its label sets (first name found wins)."""
-    for name in names:
-        total, found = 0.0, False
-        for line in text.splitlines():
-            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                    found = True
-                except (ValueError, IndexError):  # a malformed line: skipped, not fatal
-                    continue
-        if found:
-            return total
-    return 0.0
+def _penalty(reading: Reading | None, size: int) -> float | None:
+    """Queued requests wait behind running ones; a full KV cache preempts. Both count."""
+    if reading is None:
+        return None
+    waiting = reading.waiting or 0.0
+    kv_usage = reading.kv_usage or 0.0
+    return min(2.0, max(0.0, waiting) / max(1, size)) + min(1.0, max(0.0, kv_usage))

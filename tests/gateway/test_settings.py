@@ -193,7 +193,7 @@ def test_tier_defaults() -> None:
 def test_overriding_one_tier_keeps_the_other_tiers_defaults() -> None:
     tiers = parse(config_dict(tiers={"default": {"queue_timeout_s": 5}})).tiers
     assert tiers.default.queue_timeout_s == 5.0
-    assert tiers.priority == TierPolicy(queue_timeout_s=60.0, price_multiplier=1.5)
+    assert tiers.priority == TierPolicy(queue_timeout_s=60.0, price_multiplier=1.5, may_preempt=True)
     assert tiers.flex.max_utilization == 0.8
 
 

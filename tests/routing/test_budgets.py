@@ -1,111 +1,210 @@
-"""Token budgets in admission (docs/api.md, token budgets): what a request reserves, the
-400 for one no endpoint could ever hold, the fallback past a model too small for it, and
-the lease and record that carry the reservation."""
+"""Token budgets: the AIMD step, `auto` read from the worker, per (model, endpoint), on a
+fake clock; and their changes told through Health's `on_change`, once per probe round."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+import logging
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.runtime.settings import parse_config
-from routing.admission.admit import Admission
-from routing.admission.plan import Candidate, plan_candidates
-from routing.admission.tokens import TokenAsk
-from routing.errors import TooLarge
-from routing.registry import Registry
-from routing.store.connect import RedisPyStore
-from routing.store.wire import text
+from routing.hop.budgets import (
+    DECREASE,
+    HOLD_S,
+    INCREASE_PER_S,
+    TokenBudgets,
+    next_fraction,
+    overloaded,
+)
+from routing.hop.health import EndpointHealth, Health, HealthSettings
+from routing.hop.scrape import Reading
+from routing.registry import AdaptiveConfig, Registry
 
-CONFIG = """
+W1, W2 = "http://w1:8000", "http://w2:8000"
+# a adapts on both its workers; b shares w2 with its own budget, fixed; c reads w1's size.
+CONFIG = f"""
 models:
-  small:
-    max_tokens_default: 100
+  a:
+    adaptive: {{enabled: true, min_fraction: 0.5, waiting_threshold: 2, kv_threshold: 0.9}}
     endpoints:
-      - {url: "http://small-a:8000", max_concurrency: 4, max_tokens_in_flight: 1000}
-      - {url: "http://small-b:8000", max_concurrency: 4, max_tokens_in_flight: 2000}
-  big:
-    max_tokens_default: 500
-    endpoints:
-      - {url: "http://big-a:8000", max_concurrency: 4, max_tokens_in_flight: 100000}
-  plain:
-    endpoints:
-      - {url: "http://plain-a:8000", max_concurrency: 4}
+      - {{url: "{W1}", max_concurrency: 4, max_tokens_in_flight: 1000}}
+      - {{url: "{W2}", max_concurrency: 4, max_tokens_in_flight: auto}}
+  b: {{endpoints: [{{url: "{W2}", max_concurrency: 8, max_tokens_in_flight: 300}}]}}
+  c: {{endpoints: [{{url: "{W1}", max_concurrency: 2, max_tokens_in_flight: auto}}]}}
+  d: {{endpoints: [{{url: "http://w3:8000", max_concurrency: 2}}]}}
 """
+IDLE = Reading(waiting=0.0, kv_usage=0.1)
+BUSY = Reading(waiting=5.0, kv_usage=0.5)
 
 
-@pytest.fixture
-async def admission(real_redis: aioredis.Redis) -> AsyncIterator[Admission]:
-    config = parse_config(CONFIG, "t.yaml")
-    adm = Admission(
-        RedisPyStore(real_redis, 2.0), Registry(config.models), config.tiers,
-        lease_ttl_s=30, on_outage="reject",
-    )  # fmt: skip
-    await adm.start()
-    try:
-        yield adm
-    finally:
-        await adm.close()
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def plan(adm: Admission, *models: str) -> list[Candidate]:
+def budgets(config: str = CONFIG) -> tuple[TokenBudgets, Clock]:
+    clock = Clock()
+    return TokenBudgets(Registry(parse_config(config, "t.yaml").models), clock), clock
+
+
+# --- the AIMD step --------------------------------------------------------------------------
+
+
+def step(fraction: float, over: bool, elapsed_s: float = 5.0, since: float = 100.0) -> float:
+    return next_fraction(
+        fraction, over, min_fraction=0.5, elapsed_s=elapsed_s, since_decrease_s=since
+    )
+
+
+def test_an_overloaded_reading_decreases_by_a_factor_down_to_the_floor() -> None:
+    assert step(1.0, True) == DECREASE == 0.75
+    assert step(0.75, True) == pytest.approx(0.5625)
+    assert step(0.5625, True) == 0.5  # 0.42 is below min_fraction
+    assert step(0.5, True) == 0.5
+
+
+def test_a_decrease_holds_off_the_next_one() -> None:
+    assert step(0.75, True, since=HOLD_S - 0.1) == 0.75
+    assert step(0.75, True, since=HOLD_S) == pytest.approx(0.5625)
+
+
+def test_a_quiet_reading_adds_back_in_proportion_to_the_time_since_the_last() -> None:
+    assert INCREASE_PER_S == 0.01
+    assert step(0.5, False, elapsed_s=5.0) == pytest.approx(0.55)
+    assert step(0.5, False, elapsed_s=1.0) == pytest.approx(0.51)
+    assert step(0.5, False, elapsed_s=3600.0) == pytest.approx(0.6)  # a gap counts as HOLD_S
+    assert step(0.5, False, elapsed_s=-5.0) == 0.5  # a clock that went back adds nothing
+    assert step(0.98, False) == 1.0
+
+
+def test_a_fraction_below_a_new_floor_rises_to_it() -> None:
+    assert step(0.3, True) == 0.5
+    assert step(0.3, False, elapsed_s=0.0) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("reading", "expected"),
+    [
+        (Reading(waiting=1.0, kv_usage=0.89), False),
+        (Reading(waiting=2.0, kv_usage=0.0), True),  # waiting_threshold
+        (Reading(waiting=0.0, kv_usage=0.9), True),  # kv_threshold
+        (Reading(kv_usage=0.95), True),
+        (Reading(waiting=0.0), False),
+        (Reading(), None),  # the worker does not say
+        (Reading(kv_tokens=100), None),
+    ],
+)
+def test_what_is_overloaded(reading: Reading, expected: bool | None) -> None:
+    adaptive = AdaptiveConfig(enabled=True, waiting_threshold=2, kv_threshold=0.9)
+    assert overloaded(reading, adaptive) is expected
+
+
+# --- budgets per (model, endpoint) ----------------------------------------------------------
+
+
+def test_configured_budgets_and_what_each_endpoint_needs_read() -> None:
+    b, _ = budgets()
+    assert b.budget("a", W1) == 1000 and b.budget("b", W2) == 300
+    assert b.budget("a", W2) is None and b.budget("c", W1) is None  # auto: not read yet
+    assert b.budget("d", "http://w3:8000") is None and b.budget("a", "http://gone") is None
+    assert b.needs(W1) == (True, True)  # a adapts on it, c reads its size
+    assert b.needs(W2) == (True, True)
+    assert b.needs("http://w3:8000") == (False, False)
+
+
+def test_auto_is_read_said_once_until_then_and_follows_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    b, _ = budgets()
+    with caplog.at_level(logging.INFO, logger="gateway.health"):
+        assert b.observe(W1, None) is False
+        assert b.observe(W1, Reading()) is False
+        unknown = [r for r in caplog.records if "not told" in r.getMessage()]
+        assert len(unknown) == 1 and W1 in unknown[0].getMessage()
+        assert b.observe(W1, Reading(kv_tokens=4096)) is True
+        assert b.budget("c", W1) == 4096 and b.budget("a", W1) == 1000  # a's is a number
+        assert b.observe(W1, Reading(kv_tokens=4096)) is False
+        assert b.observe(W1, Reading()) is False  # no longer told: the last size stays
+        assert b.budget("c", W1) == 4096
+        assert b.observe(W1, Reading(kv_tokens=2048)) is True  # restarted smaller
+    assert b.budget("c", W1) == 2048
+    assert any("now 2048 tokens (was 4096)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_budget_adapts_per_model_on_a_shared_worker() -> None:
+    b, clock = budgets()
+    assert b.observe(W2, Reading(waiting=0.0, kv_usage=0.1, kv_tokens=2000)) is True
+    assert (b.budget("a", W2), b.budget("b", W2)) == (2000, 300)
+    seen = []
+    for _ in range(4):  # overloaded: down by a quarter per hold, to min_fraction
+        clock.now += HOLD_S
+        changed = b.observe(W2, Reading(waiting=5.0, kv_usage=0.5, kv_tokens=2000))
+        seen.append((changed, b.budget("a", W2)))
+    assert seen == [(True, 1500), (True, 1125), (True, 1000), (False, 1000)]
+    assert b.budget("b", W2) == 300  # b does not adapt
+    clock.now += 1.0
+    assert b.observe(W2, BUSY) is False  # still overloaded, inside the hold: no change
+    grown = []
+    while b.budget("a", W2) != 2000:  # quiet: +1 % of 2000 a second, 5 s a probe
+        clock.now += 5.0
+        assert b.observe(W2, IDLE) is True
+        grown.append(b.budget("a", W2))
+    assert grown == [1100, 1200, 1300, 1400, 1500, 1600, 1700, 1800, 1900, 2000]
+    clock.now += 5.0
+    assert b.observe(W2, IDLE) is False  # whole: nothing to write
+
+
+def test_a_reading_without_load_gauges_leaves_the_fraction_alone() -> None:
+    b, clock = budgets()
+    clock.now += HOLD_S
+    b.observe(W1, BUSY)
+    assert b.budget("a", W1) == 750
+    clock.now += 60
+    assert b.observe(W1, Reading(kv_tokens=10)) is True  # c's size changed, not a's
+    assert b.budget("a", W1) == 750 and b.budget("c", W1) == 10
+
+
+def test_a_reload_keeps_what_was_read_and_learnt() -> None:
+    b, clock = budgets()
+    b.observe(W2, Reading(waiting=9.0, kv_tokens=2000))
+    assert b.budget("a", W2) == 1500
+    again = TokenBudgets(Registry(parse_config(CONFIG, "t.yaml").models), clock)
+    again.adopt(b)
+    assert again.budget("a", W2) == 1500 and again.budget("b", W2) == 300
+    off = CONFIG.replace("enabled: true", "enabled: false")
+    plain = TokenBudgets(Registry(parse_config(off, "t.yaml").models), clock)
+    plain.adopt(again)
+    assert plain.budget("a", W2) == 2000  # no longer adaptive: the whole budget
+
+
+# --- through Health: changes told once a round ----------------------------------------------
+
+
+def test_health_tells_a_budget_change_of_an_endpoint() -> None:
+    changes: list[set[str]] = []
+    clock = Clock()
     registry = Registry(parse_config(CONFIG, "t.yaml").models)
-    return plan_candidates(
-        models[0], list(models), fail_fast=False, registry=registry, allowed=None
-    )
+    health = Health(registry, HealthSettings(), changes.append, clock=clock)
+    health.probed(W2, ok=True, reading=Reading(waiting=0.0, kv_tokens=640))
+    assert changes == [{W2}] and health.budget("a", W2) == 640
+    health.probed(W2, ok=True, reading=Reading(waiting=0.0, kv_tokens=640))
+    assert changes == [{W2}]  # nothing changed: nothing told
+    assert health.penalty(W2) == 0.0  # read for its budget, not for a penalty
 
 
-async def reserved(real_redis: aioredis.Redis, model: str) -> dict[str, int]:
-    raw = await real_redis.hgetall("gw:{" + model + "}:ep_tok")
-    return {text(k): int(v) for k, v in raw.items() if int(v)}
+async def test_a_rounds_changes_are_told_in_one_call() -> None:
+    changes: list[set[str]] = []
+    registry = Registry(parse_config(CONFIG, "t.yaml").models)
+    health = Health(registry, HealthSettings(unhealthy_after=1), changes.append, clock=Clock())
+    readings = {W1: Reading(kv_tokens=64), W2: Reading(kv_tokens=32)}
 
+    async def probe(h: EndpointHealth) -> tuple[bool, Reading | None]:
+        return h.url in readings, readings.get(h.url)
 
-async def test_a_request_reserves_its_prompt_and_its_capped_answer(
-    admission: Admission, real_redis: aioredis.Redis
-) -> None:
-    asked = TokenAsk(prompt=300, output=5000)  # its answer capped at small's default, 100
-    admitted = await asyncio.wait_for(
-        admission.admit(plan(admission, "small"), "acme", 10, tokens=asked), 5
-    )
-    assert admitted.lease.tokens == 400
-    assert await reserved(real_redis, "small") == {admitted.lease.endpoint: 400}
-    await admission.release(admitted.lease)
-    await asyncio.wait_for(admission.drain(), 5)
-    assert await reserved(real_redis, "small") == {}
-
-
-async def test_a_request_no_endpoint_could_hold_is_refused_without_queueing(
-    admission: Admission, real_redis: aioredis.Redis
-) -> None:
-    asked = TokenAsk(prompt=1950, output=None)  # 1950 + 100: more than small's largest, 2000
-    with pytest.raises(TooLarge) as refused:
-        await asyncio.wait_for(
-            admission.admit(plan(admission, "small"), "acme", 10, tokens=asked), 5
-        )
-    assert (refused.value.needed, refused.value.budget) == (2050, 2000)
-    assert "2000 tokens" in refused.value.message
-    assert not await real_redis.exists("gw:{small}:queue", "gw:{small}:leases")
-    assert await real_redis.zcard("gw:acct:{acme}") == 0  # the account's entry went back
-
-
-async def test_the_walk_goes_past_a_model_too_small_for_the_request(
-    admission: Admission,
-) -> None:
-    asked = TokenAsk(prompt=5000, output=10)
-    admitted = await asyncio.wait_for(
-        admission.admit(plan(admission, "small", "big"), "acme", 10, tokens=asked), 5
-    )
-    assert admitted.candidate.model.name == "big"
-    assert admitted.lease.tokens == 5010
-    await admission.release(admitted.lease)
-
-
-async def test_a_model_without_budgets_reserves_nothing(admission: Admission) -> None:
-    admitted = await asyncio.wait_for(
-        admission.admit(plan(admission, "plain"), "acme", 10, tokens=TokenAsk(10**6, None)), 5
-    )
-    assert admitted.lease.tokens == 0
-    assert "~" in admitted.lease.id and admitted.lease.id.count("~") == 2  # no tokens in it
-    await admission.release(admitted.lease)
+    health._probe = probe  # type: ignore[assignment, method-assign]
+    await health.probe_all()
+    # w1 and w2 learnt their sizes, w3 went out: one call.
+    assert changes == [{W1, W2, "http://w3:8000"}]

@@ -15,7 +15,8 @@ from starlette.routing import Route
 
 from gateway.runtime.settings import parse_config
 from routing.background import BackgroundErrors
-from routing.hop.health import Health, HealthSettings, _gauge
+from routing.hop.health import EndpointHealth, Health, HealthSettings
+from routing.hop.scrape import Reading, gauge
 from routing.registry import Registry
 
 CONFIG = """
@@ -91,10 +92,12 @@ def test_5xx_in_a_row_eject_and_a_success_resets_the_count() -> None:
 
 def test_penalty_changes_are_reported() -> None:
     health, changes, _ = make()
-    health.probed(W2, ok=True, penalty=0.5)
+    health.probed(W2, ok=True, reading=Reading(waiting=0.0, kv_usage=0.5))
     assert health.penalty(W2) == 0.5 and changes == [{W2}]
-    health.probed(W2, ok=True, penalty=0.51)
+    health.probed(W2, ok=True, reading=Reading(waiting=0.0, kv_usage=0.51))
     assert changes == [{W2}]  # too small a change to rebuild anything
+    health.probed(W1, ok=True, reading=Reading(waiting=4.0, kv_usage=1.0))
+    assert health.penalty(W1) == 0.0  # not scraped for a penalty (no `metrics: true`)
 
 
 def test_urls_it_does_not_know_are_ignored() -> None:
@@ -103,7 +106,7 @@ def test_urls_it_does_not_know_are_ignored() -> None:
     gone = "http://gone:8000"
     health.answered(gone, 500)
     health.unreachable(gone)
-    health.probed(gone, ok=False, penalty=1.0)
+    health.probed(gone, ok=False, reading=Reading(waiting=9.0))
     assert not health.is_up(gone) and health.penalty(gone) == 0.0
     assert changes == [] and gone not in health.endpoints
 
@@ -115,14 +118,14 @@ def test_gauge_sums_label_sets_and_knows_the_old_name() -> None:
         'vllm:num_requests_waiting{model_name="b"} 2.0\n'
         "vllm:gpu_cache_usage_perc 0.25\n"
     )
-    assert _gauge(text, ("vllm:num_requests_waiting",)) == 5.0
-    assert _gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")) == 0.25
-    assert _gauge(text, ("nothing",)) == 0.0
+    assert gauge(text, ("vllm:num_requests_waiting",)) == 5.0
+    assert gauge(text, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")) == 0.25
+    assert gauge(text, ("vllm:nothing",)) == 0.0
 
 
 def test_gauge_skips_malformed_lines() -> None:
     text = "vllm:num_requests_waiting{\nvllm:num_requests_waiting x\nvllm:num_requests_waiting 2\n"
-    assert _gauge(text, ("vllm:num_requests_waiting",)) == 2.0
+    assert gauge(text, ("vllm:num_requests_waiting",)) == 2.0
 
 
 @pytest.fixture
@@ -189,11 +192,11 @@ async def test_an_unexpected_error_in_a_round_is_counted_and_probing_goes_on(
     probed_again = asyncio.Event()
     real_probed = health.probed
 
-    def probed(url: str, ok: bool, penalty: float | None = None) -> None:
+    def probed(url: str, ok: bool, reading: Reading | None = None) -> None:
         rounds.append(ok)
         if len(rounds) == 1:
             raise RuntimeError("an odd answer")
-        real_probed(url, ok, penalty)
+        real_probed(url, ok, reading)
         probed_again.set()
 
     health.probed = probed  # type: ignore[method-assign]
@@ -226,3 +229,18 @@ async def test_probes_over_a_lent_session_which_close_leaves_open(
         finally:
             await health.close()
         assert not session.closed
+
+
+async def test_a_rounds_changes_are_told_in_one_call() -> None:
+    """One call to `on_change` per probe round, naming every endpoint that changed."""
+    health, changes, _ = make(unhealthy_after=1)
+
+    async def probe(h: EndpointHealth) -> tuple[bool, Reading | None]:
+        return h.url == W2, Reading(waiting=16.0, kv_usage=0.0) if h.url == W2 else None
+
+    health._probe = probe  # type: ignore[method-assign]
+    await health.probe_all()
+    assert changes == [{W1, W2}]  # w1 out of rotation, w2's penalty up: one call
+    assert health.penalty(W2) == 2.0
+    await health.probe_all()
+    assert changes == [{W1, W2}]  # nothing changed: nothing told

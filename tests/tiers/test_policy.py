@@ -35,7 +35,7 @@ def test_policy_returns_each_tiers_own_policy() -> None:
 def test_default_policies() -> None:
     cfg = TiersConfig()
     assert cfg.policy(Tier.PRIORITY) == TierPolicy(
-        max_utilization=1.0, queue_timeout_s=60, price_multiplier=1.5
+        max_utilization=1.0, queue_timeout_s=60, price_multiplier=1.5, may_preempt=True
     )
     assert cfg.policy(Tier.DEFAULT) == TierPolicy(
         max_utilization=1.0, queue_timeout_s=30, price_multiplier=1.0
@@ -43,6 +43,7 @@ def test_default_policies() -> None:
     assert cfg.policy(Tier.FLEX) == TierPolicy(
         max_utilization=0.8, queue_timeout_s=10, price_multiplier=0.5
     )
+    assert cfg.flex.on_preempt == "reject"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,171 @@
+"""Token budgets against real simulated workers (`gateway sim --kv-tokens`): `auto` reads the
+worker's KV cache (num_gpu_blocks x block_size); an adaptive budget shrinks while the worker
+has requests waiting, never below min_fraction, and grows back once it is idle (Health on a
+fake clock, its rounds run by the test); and a real gateway shows the budget in its metrics
+and writes it into Redis's endpoint index."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.runtime.settings import parse_config
+from routing.hop.budgets import HOLD_S
+from routing.hop.health import Health, HealthSettings
+from routing.registry import Registry
+from tests.conftest import REDIS_URL
+from tests.e2e import procs
+
+# 12 blocks of 16 tokens: 192. A request of a 2-word prompt and 50 tokens needs 52: three
+# run, the rest wait (the worker's own queue, `vllm:num_requests_waiting`).
+KV_TOKENS, BLOCK, KV_BUDGET = 200, 16, 192
+HOLDING = ("--kv-tokens", str(KV_TOKENS), "--block-size", str(BLOCK), "--tokens", "50")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[procs.Proc]:
+    # Requests hold their KV cache for a minute: they end when the test drops them.
+    sim = procs.sim(tmp_path_factory.mktemp("budgets"), *HOLDING, "--ttft-ms", "60000")
+    try:
+        yield sim
+    finally:
+        sim.stop()
+
+
+def sim_gauge(http: httpx.Client, url: str, name: str) -> float:
+    for family in text_string_to_metric_families(http.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not in the worker's /metrics")
+
+
+def wait_for(check: Callable[[], bool], what: str, limit_s: float = 15.0) -> None:
+    """Another process's state has no event to wait on: poll it, bounded in time."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+async def test_an_adaptive_auto_budget_shrinks_while_the_worker_queues_and_grows_back(
+    worker: procs.Proc,
+) -> None:
+    url = worker.url
+    config = parse_config(
+        f"""
+models:
+  m1:
+    adaptive: {{enabled: true, min_fraction: 0.5, waiting_threshold: 1}}
+    endpoints: [{{url: "{url}", max_concurrency: 8, max_tokens_in_flight: auto}}]
+""",
+        "t.yaml",
+    )
+    clock, told = Clock(), asyncio.Event()
+    changes: list[set[str]] = []
+
+    def changed(urls: set[str]) -> None:
+        changes.append(urls)
+        told.set()
+
+    # Its own loop probes once at start (and not again for 300 s); the test runs the rest.
+    health = Health(Registry(config.models), HealthSettings(interval_s=300), changed, clock=clock)
+    await health.start()
+    flood: list[asyncio.Task[httpx.Response]] = []
+    try:
+        await asyncio.wait_for(told.wait(), 15)
+        assert changes == [{url}] and health.budget("m1", url) == KV_BUDGET
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "m1", "prompt": "hello there", "max_tokens": 50}
+            flood = [
+                asyncio.create_task(client.post(url + "/v1/completions", json=body))
+                for _ in range(6)
+            ]
+            with httpx.Client(timeout=5) as http:
+                waiting = "vllm:num_requests_waiting"
+                await asyncio.to_thread(
+                    wait_for, lambda: sim_gauge(http, url, waiting) >= 1, "requests to wait"
+                )
+                shrunk = [await probe_round(health, clock, HOLD_S, url) for _ in range(4)]
+                assert shrunk == [144, 108, 96, 96]  # x0.75 a hold, floored at 0.5 x 192
+
+                for task in flood:  # the callers go away: the worker drops their requests
+                    task.cancel()
+                await asyncio.gather(*flood, return_exceptions=True)
+                await asyncio.to_thread(
+                    wait_for, lambda: sim_gauge(http, url, waiting) == 0, "an idle worker"
+                )
+        grown = [await probe_round(health, clock, 5.0, url) for _ in range(10)]
+        assert grown == sorted(grown) and grown[0] > 96 and grown[-1] == KV_BUDGET
+    finally:
+        for task in flood:
+            task.cancel()
+        await health.close()
+
+
+async def probe_round(health: Health, clock: Clock, after_s: float, url: str) -> int | None:
+    clock.now += after_s
+    await health.probe_all()
+    return health.budget("m1", url)
+
+
+def test_a_gateway_reads_an_auto_budget_shows_it_and_writes_it_to_redis(
+    tmp_path: Path,
+) -> None:
+    sim = procs.sim(tmp_path, "--kv-tokens", "1000", "--block-size", "16")
+    model, expected = "budget-auto", (1000 // 16) * 16
+    store = redis.Redis.from_url(REDIS_URL)
+    gateway = None
+    try:
+        gateway = procs.gateway(
+            tmp_path,
+            f"""
+redis: {{url: "{REDIS_URL}"}}
+health: {{interval_s: 0.2}}
+models:
+  {model}:
+    endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1, max_tokens_in_flight: auto}}]
+""",
+        )
+        with httpx.Client(timeout=5) as http:
+            shown = lambda: gateway_budget(http, gateway.url, model, sim.url) == expected  # noqa: E731
+            wait_for(shown, "gateway_token_budget")
+        key = "gw:{" + model + "}:eps"
+        spec = lambda: (store.hget(key, sim.url) or b"").decode()  # noqa: E731
+        wait_for(lambda: spec().endswith(f" {expected}"), "the budget in the index")
+        assert spec().split() == ["4", "0.0", str(expected)]  # size penalty budget
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        sim.stop()
+        if keys := store.keys("gw:{" + model + "}:*"):
+            store.delete(*keys)
+        store.close()
+
+
+def gateway_budget(http: httpx.Client, gateway: str, model: str, endpoint: str) -> float | None:
+    for family in text_string_to_metric_families(http.get(gateway + "/metrics").text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "gateway_token_budget" and labels == {
+                "model": model,
+                "endpoint": endpoint,
+            }:
+                return sample.value
+    return None
