@@ -37,6 +37,7 @@ from routing.admission.holdings import Holdings, Lease, Waiter
 from routing.admission.outage import LocalShares, Outage
 from routing.admission.partitions import Rotation, partition_names, split
 from routing.admission.plan import Candidate
+from routing.admission.ratelimit import RateCharge, RateLimits, Rates, failed_quotas
 from routing.admission.slots import (
     GRANTED,
     QUEUED,
@@ -47,6 +48,7 @@ from routing.admission.slots import (
     account_key,
     make_lease_id,
 )
+from routing.admission.tokens import TokenAsk
 from routing.admission.waiting import Waiting
 from routing.errors import RoutingError, Unavailable, UnavailableReason
 from routing.ledger.records import store_sender
@@ -70,6 +72,9 @@ class Admitted:
     lease: Lease
     candidate: Candidate
     tier: Tier
+    # What its rate limits charged (routing/admission/ratelimit.py): None without limits,
+    # or when Redis did not answer (admitted by the outage's local share).
+    rate: RateCharge | None = None
 
 
 class Admission:
@@ -117,6 +122,7 @@ class Admission:
         )  # fmt: skip
         self.waiting = Waiting(self.handback)
         self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
+        self.rates = self.acquire.rates
         self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
 
     @property
@@ -147,26 +153,43 @@ class Admission:
         account_limit: int,
         cache_key: str | None = None,
         weight: float = 1.0,
+        *,
+        tokens: TokenAsk | None = None,
+        rates: RateLimits | None = None,
     ) -> Admitted:
-        """`weight`: the account's share among the accounts waiting in a tier (fair share)."""
+        """`weight`: the account's share among the accounts waiting in a tier (fair share).
+        `rates`: the key's rate limits, charged a request and `tokens`' reservation
+        (routing/admission/ratelimit.py), reported on the answer and on its error."""
         lease_id = make_lease_id(f"{self.replica_id}-{next(self._ids)}", weight, account)
         walk = Walk(lease_id, account, account_key(account), account_limit, cache_key)
+        if rates is not None:
+            walk.rates, walk.tokens = rates, Rates.charge_of(rates, tokens, candidates)
+        admitted = None
         try:
-            try:
-                return await self._walk(walk, candidates, self._clock())
-            except STORE_ERRORS as exc:
-                self.store_errors.report(exc, "admission", refused=True)
-                cand, lease = self.outage.admit(
-                    candidates, walk.lease_id, walk.akey, self.holdings, exc
-                )
-                return Admitted(lease, cand, cand.tier)
+            admitted = await self._admit(walk, candidates)
+            admitted.rate = walk.charge
+            return admitted
         except RoutingError as exc:
             exc.model = exc.model or walk.at
+            exc.quotas = exc.quotas or failed_quotas(rates, walk.charge)
             raise
         finally:
             self.holdings.waiters.pop(lease_id, None)
             if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
                 self.handback.give_back(lease_id, None, walk.akey)
+            if admitted is None and walk.charge is not None:  # nor charged, then
+                self.rates.give_back(walk.charge)
+
+    async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
+        """The walk; Redis away, the outage's answer."""
+        try:
+            return await self._walk(walk, candidates, self._clock())
+        except STORE_ERRORS as exc:
+            self.store_errors.report(exc, "admission", refused=True)
+            cand, lease = self.outage.admit(
+                candidates, walk.lease_id, walk.akey, self.holdings, exc
+            )
+            return Admitted(lease, cand, cand.tier)
 
     async def _walk(
         self,
@@ -233,9 +256,14 @@ class Admission:
 
     # --- leases --------------------------------------------------------------------------
 
-    def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
-        """Give the slot back, with the request's usage record (routing/admission/handback.py)."""
-        return self.handback.release(lease, usage)
+    def release(
+        self, lease: Lease, usage: Mapping[str, str] | None = None, rate: RateCharge | None = None
+    ) -> asyncio.Future[None]:
+        """Give the slot back, with the request's usage record (routing/admission/handback.py)
+        and, in the same batch, its token charge trued up to the tokens the record says
+        were used (`rate`: `Admitted.rate`)."""
+        settle = self.rates.settle(rate, usage) if rate is not None else None
+        return self.handback.release(lease, usage, settle)
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica

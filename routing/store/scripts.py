@@ -47,7 +47,7 @@ TRANSACTION = "MULTI"
 STORE_ERRORS = (RedisError, OSError)
 
 _PRELUDED = ("acquire", "release", "account", "cancel", "claim", "sweep", "move", "index")
-_PLAIN = ("account_keep", "heartbeat", "usage")
+_PLAIN = ("account_keep", "heartbeat", "usage", "ratelimit", "ratelimit_settle")
 # Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions
 # a script's common case calls, named on its `-- @needs` line; where each begins.
 REST = "-- @rest\n"
