@@ -268,6 +268,7 @@ def test_example_config_loads_with_empty_environment() -> None:
     assert model.endpoints[1].api_key is None
     assert cfg.keys[0].account == "acme"
     assert cfg.keys[0].tiers == (Tier.DEFAULT, Tier.FLEX)
+    assert (cfg.keys[0].rpm, cfg.accounts["acme"].tpm) == (600, 4_000_000)
 
 
 # --- field checks --------------------------------------------------------------------------
