@@ -50,12 +50,12 @@ import fleet_http  # noqa: E402
 import harness  # noqa: E402
 from rediskit import measured  # noqa: E402
 
+from routing.admission.replies import attempt  # noqa: E402
 from routing.admission.slots import (  # noqa: E402
     GRANTED,
     QUEUED,
     ModelSlots,
     Timing,
-    attempt,
     make_lease_id,
 )
 from routing.store.resp import RespClient  # noqa: E402

@@ -6,6 +6,6 @@ holds), `completions` (the product path of the two POST routes), `schemas` (thei
 `app` (the ASGI app: hot routes and operator routes), `cli` (the commands, the demo, the usage
 export) and `sim` (a simulated GPU worker). The modules at this level are shared by every room:
 `errors` (the one exception tree, where status codes are decided) and `metrics` (every Prometheus
-family); they may import routing/ and tiers/ only. Which room may import which is one table,
-tests/test_layers.py.
+family); they may import routing/ and tiers/ only; `ratelimits` writes a rate-limited key's
+headers. Which room may import which is one table, tests/test_layers.py.
 """

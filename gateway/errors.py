@@ -116,8 +116,12 @@ class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, message: str, *, code: LimitReason, retry_after_s: int) -> None:
+    def __init__(
+        self, message: str, *, code: LimitReason, retry_after_s: int, retryable: bool = True
+    ) -> None:
         headers = {"retry-after": str(max(1, retry_after_s))}
+        if not retryable:  # larger than a limit: no retry can fix it (the SDK's own header)
+            headers["x-should-retry"] = "false"
         super().__init__(message, code=LimitReason(code).value, headers=headers)
         self.retry_after_s = max(1, retry_after_s)
 
@@ -210,7 +214,9 @@ def from_routing(exc: RoutingError) -> GatewayError:
     `Retry-After` are decided (429 per limit reason, 503 per unavailable reason)."""
     error: GatewayError
     if isinstance(exc, Limited):
-        error = RateLimited(exc.message, code=exc.reason, retry_after_s=exc.retry_after_s)
+        error = RateLimited(
+            exc.message, code=exc.reason, retry_after_s=exc.retry_after_s, retryable=exc.retryable
+        )
     elif isinstance(exc, Unavailable):
         error = ServiceUnavailable(exc.message, reason=exc.reason)
     elif isinstance(exc, UnknownModel):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from routing.quotas import Quotas
+
 
 class LimitReason(StrEnum):
     """Why a caller gets no capacity now (a 429). The value is the error's `code` and the
@@ -21,6 +23,8 @@ class LimitReason(StrEnum):
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     CONCURRENCY_LIMIT = "concurrency_limit"
+    RATE_LIMIT_REQUESTS = "rate_limit_requests"
+    RATE_LIMIT_TOKENS = "rate_limit_tokens"
 
 
 class UnavailableReason(StrEnum):
@@ -43,6 +47,8 @@ class RoutingError(Exception):
         self.message = message
         # The configured model the error concerns, once known (a metric label).
         self.model = ""
+        # A rate-limited key's limits as they stand (its answer's x-ratelimit-* headers).
+        self.quotas: Quotas | None = None
 
 
 class UnknownModel(RoutingError):
@@ -50,12 +56,16 @@ class UnknownModel(RoutingError):
 
 
 class Limited(RoutingError):
-    """No capacity for this caller now; a slot is likely free in `retry_after_s`."""
+    """No capacity for this caller now; a slot is likely free in `retry_after_s`. Not
+    `retryable`: this request can never be served as it is (larger than a limit)."""
 
-    def __init__(self, message: str, reason: LimitReason, retry_after_s: int) -> None:
+    def __init__(
+        self, message: str, reason: LimitReason, retry_after_s: int, *, retryable: bool = True
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.retryable = retryable
 
 
 class TooLarge(RoutingError):

@@ -28,7 +28,7 @@ def keys_create(args: argparse.Namespace) -> int:
         print(
             "# memory:// keeps no keys from outside its process: add this to the config's keys:\n"
             f"#   - {{sha256: {digest_key(key)}, account: {args.account}, "
-            f"max_concurrency: {args.max_concurrency}, weight: {args.weight:g}}}",
+            f"max_concurrency: {args.max_concurrency}, weight: {args.weight:g}{_limits(args)}}}",
             file=sys.stderr,
         )
         return 0
@@ -38,13 +38,9 @@ def keys_create(args: argparse.Namespace) -> int:
         try:
             tiers = [Tier(t) for t in args.tiers] if args.tiers else None
             return await create_key(
-                redis,
-                args.account,
-                max_concurrency=args.max_concurrency,
-                weight=args.weight,
-                models=args.models,
-                tiers=tiers,
-            )
+                redis, args.account, max_concurrency=args.max_concurrency, weight=args.weight,
+                models=args.models, tiers=tiers, rpm=args.rpm, tpm=args.tpm,
+            )  # fmt: skip
         finally:
             await redis.aclose()
 
@@ -56,6 +52,12 @@ def keys_create(args: argparse.Namespace) -> int:
     print(key)
     print(f"# account {args.account}, key id {digest_key(key)[:12]}; shown once", file=sys.stderr)
     return 0
+
+
+def _limits(args: argparse.Namespace) -> str:
+    """The key's rate limits as the config entry's last keys ("" without any)."""
+    given = (("rpm", args.rpm), ("tpm", args.tpm))
+    return "".join(f", {name}: {value}" for name, value in given if value is not None)
 
 
 def _run(coro: Coroutine[Any, Any, str]) -> str:

@@ -10,13 +10,21 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 from gateway.cli.keys import keys_create
 from gateway.cli.usage import usage_export
 from gateway.edge.listen import ListenError, listen
 from gateway.edge.logs import FORMATS
 from gateway.edge.logs import setup as setup_logs
-from gateway.runtime.settings import MAX_WEIGHT, ConfigError, GatewayConfig, load_config
+from gateway.runtime.settings import (
+    MAX_RPM,
+    MAX_TPM,
+    MAX_WEIGHT,
+    ConfigError,
+    GatewayConfig,
+    load_config,
+)
 from tiers.policy import Tier
 
 log = logging.getLogger("gateway")
@@ -138,6 +146,16 @@ def _keys_options(command: argparse.ArgumentParser) -> None:
         type=_weight,
         default=1.0,
         help="the account's share when several accounts wait in one tier (default: 1)",
+    )
+    create.add_argument(
+        "--rpm",
+        type=partial(_count_of, upto=MAX_RPM),
+        help="the key's own limit of requests per minute, across all replicas (default: none)",
+    )
+    create.add_argument(
+        "--tpm",
+        type=partial(_count_of, upto=MAX_TPM),
+        help="the key's own limit of tokens (prompt + completion) per minute (default: none)",
     )
     create.add_argument("--models", nargs="+", help="allow-list of models (default: all)")
     create.add_argument(

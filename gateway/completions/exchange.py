@@ -69,3 +69,6 @@ class Exchange:
     caller_gone: bool = False
     # The caller's trace context, checked (gateway/completions/trace.py), for the worker.
     trace: dict[str, str] = field(default_factory=dict)
+    # Headers every answer carries once admitted: a rate-limited key's x-ratelimit-*
+    # (gateway/ratelimits.py).
+    headers: tuple[tuple[bytes, bytes], ...] = ()

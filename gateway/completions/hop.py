@@ -125,7 +125,7 @@ class Hop:
         self._exchange.status = exc.status
         self._exchange.finished = True
         self._count_error(type(exc).__name__)
-        await send_error(self._send, exc, self._exchange.rid)
+        await send_error(self._send, exc, self._exchange.rid, self._exchange.headers)
 
     def _count_error(self, kind: str) -> None:
         model = self._admitted.candidate.model.name
@@ -142,7 +142,8 @@ class Hop:
             return
         exchange.finished = True
         exchange.first_byte = time.perf_counter()
-        await send_json(self._send, 200, body, [(b"x-request-id", exchange.rid.encode("latin-1"))])
+        rid = exchange.rid.encode("latin-1")
+        await send_json(self._send, 200, body, [(b"x-request-id", rid), *exchange.headers])
 
     async def _relay_stream(self, resp: HopResponse) -> None:
         admitted, exchange, send = self._admitted, self._exchange, self._send
@@ -160,7 +161,7 @@ class Hop:
             await self._fail(_answer(exc))
             return
         rid = exchange.rid.encode("latin-1")
-        headers = [*_SSE_HEADERS, (b"x-request-id", rid)]
+        headers = [*_SSE_HEADERS, (b"x-request-id", rid), *exchange.headers]
         failure: GatewayError | None = None
         try:
             out = rewriter.feed(first)

@@ -44,7 +44,8 @@ from gateway.errors import (
     ServiceUnavailable,
     from_routing,
 )
-from gateway.runtime.auth import key_from_headers
+from gateway.ratelimits import Headers, quota_headers
+from gateway.runtime.auth import Account, key_from_headers
 from gateway.runtime.state import GatewayState
 from gateway.schemas.common import GatewayRequest
 from gateway.schemas.tokens import output_tokens, prompt_tokens
@@ -53,6 +54,7 @@ from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
 from routing.admission.tokens import TokenAsk
 from routing.errors import RoutingError, UnavailableReason
+from routing.quotas import Quotas
 from tiers.resolve import requested_tier
 
 log = logging.getLogger("gateway.route")
@@ -92,6 +94,7 @@ class CompletionRoute:
         note: AccessNote | None,
     ) -> None:
         state = self._state
+        account: Account | None = None
         try:
             if state.draining:
                 raise ServiceUnavailable(
@@ -107,8 +110,7 @@ class CompletionRoute:
         except ClientGone:
             return
         except GatewayError as exc:
-            state.metrics.requests_of("", "", str(exc.status)).inc()
-            await send_error(reply, exc, rid)
+            await self._refused_early(exc, rid, reply, account)
             return
         except asyncio.CancelledError:  # the server's stop cut it short while it was read
             _uncancel()
@@ -127,10 +129,7 @@ class CompletionRoute:
         try:
             admitted = await self._admit(parsed)
         except RoutingError as exc:  # translated here, where the answer is decided
-            error = from_routing(exc)
-            self._rejected(parsed, error)
-            exchange.finished = True
-            await send_error(reply, error, parsed.rid)
+            await self._refused(parsed, exchange, reply, exc)
             return
         except asyncio.CancelledError:
             if exchange.caller_gone:
@@ -138,6 +137,7 @@ class CompletionRoute:
             await _cut_short(parsed.rid, exchange, reply)
             self._state.metrics.requests_of("", "", str(exchange.status)).inc()
             return
+        exchange.headers = _admitted_headers(parsed.account, admitted)
         try:
             hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
             await hop.run()
@@ -152,7 +152,7 @@ class CompletionRoute:
             if not reply.ended:
                 exchange.status = 500  # the record says what the caller got
             exchange.finished = True
-            await _crashed(exc, parsed.rid, reply, exchange.stream)
+            await _crashed(exc, parsed.rid, reply, exchange.stream, exchange.headers)
         finally:
             admission = self._state.admission
             record: dict[str, str] | None = None
@@ -160,8 +160,8 @@ class CompletionRoute:
                 record = self._record(parsed, admitted, exchange)
             except Exception as exc:  # the slot must go back whatever the record holds
                 admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
-            # With the record, in one round trip.
-            admission.release(admitted.lease, record)
+            # With the record (and the rate limits' true-up), in one round trip.
+            admission.release(admitted.lease, record, admitted.rate)
             self._observe(admitted, exchange, parsed.note)
 
     async def _admit(self, parsed: Parsed) -> Admitted:
@@ -177,10 +177,12 @@ class CompletionRoute:
         )
         salt = getattr(request, "cache_salt", None) if self._salted else None
         cache_key = affinity_key(request.prompt_cache_key, salt)
+        rates = account.rates
         tokens = TokenAsk(prompt_tokens(request), output_tokens(request))
         admitted = await self._state.admission.admit(
-            candidates, account.name, account.max_concurrency, cache_key, account.weight, tokens
-        )
+            candidates, account.name, account.max_concurrency, cache_key, account.weight,
+            tokens=tokens, rates=rates,
+        )  # fmt: skip
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name
             self._state.metrics.fallbacks.labels(first, admitted.candidate.model.name).inc()
@@ -200,6 +202,34 @@ class CompletionRoute:
             payload=parsed.payload,
             tiers=self._state.config.tiers,
         )
+
+    async def _refused_early(
+        self, exc: GatewayError, rid: str, reply: Reply, account: Account | None
+    ) -> None:
+        """An answer before admission (a 401, 413, 422, a shutdown's 503)."""
+        self._state.metrics.requests_of("", "", str(exc.status)).inc()
+        await send_error(reply, exc, rid, await self._quota_headers(account))
+
+    async def _refused(
+        self, parsed: Parsed, exchange: Exchange, reply: Reply, exc: RoutingError
+    ) -> None:
+        """Admission's refusal (a 429, a 503, an unknown model's 404) as the answer."""
+        error = from_routing(exc)
+        self._rejected(parsed, error)
+        exchange.finished = True
+        headers = await self._quota_headers(parsed.account, exc.quotas)
+        await send_error(reply, error, parsed.rid, headers)
+
+    async def _quota_headers(
+        self, account: Account | None, quotas: Quotas | None = None
+    ) -> Headers:
+        """A rate-limited key's x-ratelimit-* headers: `quotas` as admission said, else (an
+        answer that never reached admission) as Redis says now."""
+        if account is None or account.rates is None:
+            return ()
+        if quotas is None:
+            quotas = await self._state.admission.rates.peek(account.rates)
+        return quota_headers(quotas)
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
         """Counted under the model the walk stood at (none for an unknown model's 404)."""
@@ -259,12 +289,22 @@ async def _until_disconnect(
             watcher.cancel()
 
 
-async def _crashed(exc: Exception, rid: str, reply: Reply, stream: bool) -> bool:
+def _admitted_headers(account: Account, admitted: Admitted) -> Headers:
+    """What every answer of an admitted request carries: its key's x-ratelimit-* headers
+    as its charge left them (the limits alone where Redis did not answer)."""
+    if account.rates is None:
+        return ()
+    return quota_headers(admitted.rate.quotas if admitted.rate else account.rates.unknown())
+
+
+async def _crashed(
+    exc: Exception, rid: str, reply: Reply, stream: bool, headers: Headers = ()
+) -> bool:
     """The answer to a failure nobody foresaw, however far the answer had got: a 500 before
     it started, an SSE error event and the end of a started stream. True if it was sent."""
     # The type and the place only: an exception's text may quote the body.
     log.error("request %s failed: unexpected %s at %s", rid, type(exc).__name__, _where(exc))
-    return await _end_with(InternalError(), rid, reply, stream)
+    return await _end_with(InternalError(), rid, reply, stream, headers)
 
 
 async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
@@ -276,7 +316,7 @@ async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
     error = _shut_down()
     if not reply.ended:
         exchange.status = error.status
-    await _end_with(error, rid, reply, exchange.stream)
+    await _end_with(error, rid, reply, exchange.stream, exchange.headers)
 
 
 def _uncancel() -> None:
@@ -293,13 +333,15 @@ def _shut_down() -> ServiceUnavailable:
     )
 
 
-async def _end_with(error: GatewayError, rid: str, reply: Reply, stream: bool) -> bool:
+async def _end_with(
+    error: GatewayError, rid: str, reply: Reply, stream: bool, headers: Headers = ()
+) -> bool:
     """`error` as the end of the answer, however far it had got. True if it was sent."""
     if reply.ended:
         return False
     try:
         if not reply.started:
-            await send_error(reply, error, rid)
+            await send_error(reply, error, rid, headers)
             return True
         if stream:
             event = error_event(error)

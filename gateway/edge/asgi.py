@@ -8,7 +8,7 @@ the hot path costs); these helpers keep that code short and in one place.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,11 @@ def _too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"The request body is larger than the limit of {limit} bytes.")
 
 
-def error_parts(exc: GatewayError, rid: str) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+def error_parts(
+    exc: GatewayError, rid: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """The error's status, body and headers; `extra`: headers every answer to this caller
+    carries (a rate-limited key's x-ratelimit-*)."""
     if isinstance(exc, RequestInvalid):
         # The seeds' HTTPValidationError, and beside it the envelope OpenAI clients show.
         body = orjson.dumps({"detail": exc.detail, **exc.envelope()})
@@ -164,11 +168,14 @@ def error_parts(exc: GatewayError, rid: str) -> tuple[int, bytes, list[tuple[byt
     if exc.status in _NO_RETRY:
         headers.append((b"x-should-retry", b"false"))
     headers.append((b"x-request-id", rid.encode("latin-1")))
+    headers.extend(extra)
     return exc.status, body, headers
 
 
-async def send_error(send: Send, exc: GatewayError, rid: str) -> None:
-    status, body, headers = error_parts(exc, rid)
+async def send_error(
+    send: Send, exc: GatewayError, rid: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    status, body, headers = error_parts(exc, rid, extra)
     await send_json(send, status, body, headers)
 
 

@@ -12,15 +12,23 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
-from gateway.runtime.settings import MAX_WEIGHT, KeyConfig, digest_key
+from gateway.runtime.settings import (
+    MAX_RPM,
+    MAX_TPM,
+    MAX_WEIGHT,
+    AccountConfig,
+    KeyConfig,
+    digest_key,
+)
+from routing.admission.ratelimit import RateLimits, rate_limits
 from routing.errors import UnavailableReason
 from routing.store.causes import StoreErrors
 from tiers.policy import Tier
@@ -40,9 +48,22 @@ class Account:
     tiers: frozenset[Tier] | None
     # Its share when several accounts wait in one tier of a model (fair share).
     weight: float = 1.0
+    # Rate limits per minute (None: none): the key's own, and its account's (config
+    # `accounts:`, by name), requests and tokens (prompt + completion).
+    rpm: int | None = None
+    tpm: int | None = None
+    account_rpm: int | None = None
+    account_tpm: int | None = None
+    # All four as admission takes them (None: no limit at all, nothing to check).
+    rates: RateLimits | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        limits = (self.rpm, self.tpm, self.account_rpm, self.account_tpm)
+        object.__setattr__(self, "rates", rate_limits(self.name, self.key_id, *limits))
 
 
-def account_from_config(key: KeyConfig) -> Account:
+def account_from_config(key: KeyConfig, whole: AccountConfig | None = None) -> Account:
+    """The key's account; `whole`: the account's own limits (config `accounts:`)."""
     return Account(
         name=key.account,
         key_id=key.sha256[:12],
@@ -51,6 +72,10 @@ def account_from_config(key: KeyConfig) -> Account:
         models=frozenset(key.models) if key.models is not None else None,
         tiers=frozenset(key.tiers) if key.tiers is not None else None,
         weight=key.weight,
+        rpm=key.rpm,
+        tpm=key.tpm,
+        account_rpm=whole.rpm if whole is not None else None,
+        account_tpm=whole.tpm if whole is not None else None,
     )
 
 
@@ -70,20 +95,25 @@ def key_from_headers(
 
 
 class KeyStore:
-    """Authenticates keys against config digests and the Redis hash `gw:keys`."""
+    """Authenticates keys against config digests and the Redis hash `gw:keys`; `accounts`:
+    the accounts' own limits (config `accounts:`), for keys of both kinds."""
 
     def __init__(
         self,
         configured: Iterable[KeyConfig],
         redis: aioredis.Redis,
         *,
+        accounts: Mapping[str, AccountConfig] | None = None,
         ttl_s: float = 10.0,
         negative_ttl_s: float = 2.0,
         max_cached: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
         store_errors: StoreErrors | None = None,
     ) -> None:
-        self._configured = {k.sha256: account_from_config(k) for k in configured}
+        self._accounts = dict(accounts or {})
+        self._configured = {
+            k.sha256: account_from_config(k, self._accounts.get(k.account)) for k in configured
+        }
         self._redis = redis
         self._ttl = ttl_s
         self._negative_ttl = negative_ttl_s
@@ -116,7 +146,7 @@ class KeyStore:
                 "The key store is unreachable; try again shortly.",
                 reason=UnavailableReason.KEY_STORE_UNREACHABLE,
             ) from exc
-        account = _account_from_record(digest, raw) if raw is not None else None
+        account = _account_from_record(digest, raw, self._accounts) if raw is not None else None
         ttl = self._ttl if account is not None else self._negative_ttl
         self._cache[digest] = (now + ttl, account)
         self._cache.move_to_end(digest)
@@ -125,19 +155,34 @@ class KeyStore:
         return account
 
 
-def _account_from_record(digest: str, raw: bytes | str) -> Account:
+def _account_from_record(
+    digest: str, raw: bytes | str, accounts: Mapping[str, AccountConfig]
+) -> Account:
     record = orjson.loads(raw)
     models = record.get("models")
     tiers = record.get("tiers")
+    name = str(record["account"])
+    whole = accounts.get(name)
     return Account(
-        name=str(record["account"]),
+        name=name,
         key_id=digest[:12],
         digest=digest,
         max_concurrency=int(record.get("max_concurrency", 200)),
         models=frozenset(models) if models is not None else None,
         tiers=frozenset(Tier(t) for t in tiers) if tiers is not None else None,
         weight=_weight(record.get("weight", 1)),
+        rpm=_limit(record.get("rpm"), MAX_RPM),
+        tpm=_limit(record.get("tpm"), MAX_TPM),
+        account_rpm=whole.rpm if whole is not None else None,
+        account_tpm=whole.tpm if whole is not None else None,
     )
+
+
+def _limit(value: object, most: int) -> int | None:
+    """A stored key's rate limit; absent, or out of range (written by hand): none."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        return None
+    return value
 
 
 def _weight(value: object) -> float:
@@ -157,6 +202,8 @@ async def create_key(
     weight: float = 1.0,
     models: list[str] | None = None,
     tiers: list[Tier] | None = None,
+    rpm: int | None = None,
+    tpm: int | None = None,
 ) -> str:
     """Mint a key, store only its digest, and return the key (shown to the operator once)."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
@@ -166,6 +213,8 @@ async def create_key(
         "weight": weight,
         "models": models,
         "tiers": [t.value for t in tiers] if tiers is not None else None,
+        "rpm": rpm,
+        "tpm": tpm,
         "created": int(time.time()),
     }
     await redis.hset(KEYS_HASH, digest_key(key), orjson.dumps(record))

@@ -79,6 +79,9 @@ class LimitsConfig(BaseModel):
 
 # The largest key weight (fair share): far past any useful ratio, small enough for Redis.
 MAX_WEIGHT = 1_000_000.0
+# The largest rate limits, requests and tokens per minute (past them a limit means nothing).
+MAX_RPM = 1_000_000_000
+MAX_TPM = 1_000_000_000_000
 
 
 class KeyConfig(BaseModel):
@@ -94,8 +97,8 @@ class KeyConfig(BaseModel):
     models: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] | None = None
     # This key's own rate limits: requests and tokens (prompt + completion) per minute.
-    rpm: int | None = Field(None, ge=1, le=1_000_000_000)
-    tpm: int | None = Field(None, ge=1, le=1_000_000_000_000)
+    rpm: int | None = Field(None, ge=1, le=MAX_RPM)
+    tpm: int | None = Field(None, ge=1, le=MAX_TPM)
 
     @field_validator("sha256")
     @classmethod
@@ -109,8 +112,8 @@ class AccountConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rpm: int | None = Field(None, ge=1, le=1_000_000_000)
-    tpm: int | None = Field(None, ge=1, le=1_000_000_000_000)
+    rpm: int | None = Field(None, ge=1, le=MAX_RPM)
+    tpm: int | None = Field(None, ge=1, le=MAX_TPM)
 
 
 class GatewayConfig(BaseModel):

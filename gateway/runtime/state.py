@@ -59,7 +59,9 @@ class GatewayState:
         self.upstream = upstream or HopClient(config.upstream, max_connections=capacity + 64)
         # Store errors of every part, logged by cause once a minute; /readyz reads it too.
         self.store_errors = StoreErrors()
-        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
+        self.keys = KeyStore(
+            config.keys, self.redis, accounts=config.accounts, store_errors=self.store_errors
+        )
         self.background_errors = BackgroundErrors(self.store_errors)
         self.admission, self.keeper = self._admission(
             min(sweep_interval_s, config.redis.lease_ttl_s / 4)
@@ -168,8 +170,8 @@ class GatewayState:
 
     async def apply(self, config: GatewayConfig) -> None:
         """A changed config, applied without a restart and without failing requests in
-        flight: models, endpoints, capacities, tiers, health settings, keys and
-        `redis.on_outage` (a policy, no connection). Settings of connections made at start
+        flight: models, endpoints, capacities, tiers, health settings, keys, accounts' limits
+        and `redis.on_outage` (a policy, no connection). Settings of connections made at start
         (listen, the rest of redis, upstream, usage spool) need a restart; a change to them
         is logged and the running values stay."""
         config = self._keep_restart_only(config)
@@ -182,7 +184,9 @@ class GatewayState:
         self.pools.apply(
             self.registry, [(h.model, h.endpoint) for h in self.admission.held.values()]
         )
-        self.keys = KeyStore(config.keys, self.redis, store_errors=self.store_errors)
+        self.keys = KeyStore(
+            config.keys, self.redis, accounts=config.accounts, store_errors=self.store_errors
+        )
         self.admission.apply(self.registry, config.tiers, config.redis.on_outage)
         previous = self.health
         self.health = self._new_health()

@@ -11,22 +11,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from routing.admission import refusals
 from routing.admission.handback import Handback
-from routing.admission.slots import (
-    ACCOUNT_FULL,
-    BUSY,
-    GRANTED,
-    NO_INDEX,
-    PREFERRED,
-    QUEUED,
-    Attempt,
-    Timing,
-    attempt,
-)
+from routing.admission.ratelimit import RateCharge, RateLimits, Rates
+from routing.admission.replies import Attempt, attempt
+from routing.admission.slots import ACCOUNT_FULL, BUSY, GRANTED, NO_INDEX, PREFERRED, QUEUED, Timing
 from routing.admission.waiting import Waiting
+from routing.errors import Limited
 from routing.store.scripts import first_error
 from tiers.policy import Tier
 
@@ -46,6 +40,12 @@ class Walk:
     has_account: bool = False
     # The candidate being tried: an error out of the walk concerns it (its metric label).
     at: str = ""
+    # Rate limits (routing/admission/ratelimit.py): the key's, its token charge, whether the
+    # take went (with the walk's first try), and what it took once its reply came.
+    rates: RateLimits | None = None
+    rate_tokens: int = 0
+    rated: bool = False
+    charge: RateCharge | None = None
 
 
 class Acquire:
@@ -56,6 +56,7 @@ class Acquire:
         self.scripts, self.store = handback.scripts, handback.store
         self.slots, self.holdings = handback.slots, handback.holdings
         self.handback = handback
+        self.rates = Rates(handback)
         self.waiting = waiting
         self.timing = timing
         self._clock = clock
@@ -94,28 +95,28 @@ class Acquire:
     async def _try(
         self, walk: Walk, model: str, may_wait: bool, tier: Tier, *, with_index: bool
     ) -> Attempt:
-        """`model`: the slots' name (the model, or one of its partitions)."""
+        """`model`: the slots' name (the model, or one of its partitions). A walk's first try
+        with rate limits takes their charge first in the same batch; refused, whatever the
+        acquire took goes back."""
         index = self.slots[model].index() if with_index else None
+        rated = walk.rates is not None and not walk.rated
         calls = self._calls(walk, model, may_wait, tier)
-        calls = [index, *calls] if index else calls
+        calls = [*([index] if index else []), *self._rate_calls(walk), *calls]
         with_account = not walk.has_account
-        replies = await self.handback.outliving(
-            self.scripts.send(self.store, calls), walk.lease_id, model,
-            walk.akey if with_account else None,
-        )  # fmt: skip
+        rate_at = int(bool(index)) if rated else None
+        replies = await self._send(walk, model, calls, with_account, rate_at)
         if index:
             self.slots[model].indexed(replies[0])
         replies = replies[1:] if index else replies
+        rate = replies.pop(0) if rated else None
         # On one Redis the acquire script itself takes the account's slot (one call).
         merged = with_account and self.store.one_node
         if with_account and _took_account(replies, merged):
             walk.has_account = True
             self.holdings.walking[walk.lease_id] = walk.akey
-        if (error := first_error(replies)) is not None:
-            # What the other call took goes back; a single call's own part too (a script
-            # that failed midway keeps what it wrote before).
-            account = walk.akey if merged else None
-            self.handback.give_back(walk.lease_id, model, account)
+        refusal = None if rate is None or isinstance(rate, Exception) else self._rated(walk, rate)
+        if (error := refusal or first_error([rate, *replies])) is not None:
+            self._given_back(walk, model, replies[-1], merged and refusal is None)
             raise error
         result = attempt(replies[-1])
         if result.status == NO_INDEX:
@@ -125,6 +126,48 @@ class Acquire:
                 self.handback.give_back(walk.lease_id, model, None, result.endpoint)
             raise refusals.account_full(walk.account, walk.limit)
         return result
+
+    async def _send(
+        self, walk: Walk, model: str, calls: list[Any], with_account: bool, rate_at: int | None
+    ) -> list[Any]:
+        """The batch, outliving its caller: a caller gone meanwhile gives back what the
+        acquire took, and the rate charge (the call at `rate_at`) if it was taken."""
+        sent = self.scripts.send(self.store, calls)
+        walk.rated = walk.rated or rate_at is not None
+        try:
+            return await self.handback.outliving(
+                sent, walk.lease_id, model, walk.akey if with_account else None
+            )
+        except asyncio.CancelledError:
+            if rate_at is not None and walk.rates is not None:
+                late = partial(self.rates.late, walk.rates, walk.rate_tokens, rate_at)
+                sent.add_done_callback(late)
+            raise
+
+    def _given_back(self, walk: Walk, model: str, acquired: Any, account: bool) -> None:
+        """What a batch that failed or was refused took goes back: the acquire's slot or
+        waiter (where its reply says, else looked for: a script that failed midway keeps
+        what it wrote before), and the account's entry that the same call took (`account`;
+        an entry the account's own call took goes back when the walk ends)."""
+        if isinstance(acquired, Exception) or account:
+            self.handback.give_back(walk.lease_id, model, walk.akey if account else None)
+        elif (took := attempt(acquired)).status in (GRANTED, QUEUED):
+            self.handback.give_back(walk.lease_id, model, None, took.endpoint)
+
+    def _rate_calls(self, walk: Walk) -> list[Any]:
+        """The rate limits' take, with the walk's first try only."""
+        if walk.rates is None or walk.rated:
+            return []
+        return [self.rates.take(walk.rates, walk.rate_tokens)]
+
+    def _rated(self, walk: Walk, reply: Any) -> Limited | None:
+        """The take's reply: the charge kept on the walk, or its 429."""
+        assert walk.rates is not None
+        try:
+            walk.charge = self.rates.taken(walk.rates, walk.rate_tokens, reply)
+        except Limited as refusal:
+            return refusal
+        return None
 
     def _calls(self, walk: Walk, model: str, may_wait: bool, tier: Tier) -> list[Any]:
         calls: list[Any] = []

@@ -27,33 +27,33 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from routing.admission import refusals
 from routing.admission.acquire import Acquire, Walk
 from routing.admission.estimate import RetryAfter
 from routing.admission.handback import Handback
 from routing.admission.holdings import Holdings, Lease, Waiter
+from routing.admission.layout import Layout, indexed
 from routing.admission.outage import LocalShares, Outage
-from routing.admission.partitions import Rotation, partition_names, split
 from routing.admission.plan import Candidate
+from routing.admission.ratelimit import RateCharge, RateLimits, Rates, failed_quotas
+from routing.admission.replies import Attempt
 from routing.admission.slots import (
     GRANTED,
     QUEUED,
     RANK,
-    Attempt,
     EndpointSpec,
     ModelSlots,
     Timing,
     account_key,
     make_lease_id,
 )
-from routing.admission.tokens import TokenAsk
+from routing.admission.tokens import TokenAsk, reservation, too_large
 from routing.admission.waiting import Waiting
 from routing.errors import RoutingError, TooLarge, Unavailable, UnavailableReason
 from routing.ledger.records import store_sender
 from routing.ledger.spool import Ledger, UsageSpool
-from routing.registry import EndpointConfig, Model, Registry
+from routing.registry import Registry
 from routing.store.base import Store
 from routing.store.causes import StoreErrors
 from routing.store.scripts import STORE_ERRORS, Scripts
@@ -72,16 +72,12 @@ class Admitted:
     lease: Lease
     candidate: Candidate
     tier: Tier
+    # What its rate limits charged (routing/admission/ratelimit.py): None without limits,
+    # or when Redis did not answer (admitted by the outage's local share).
+    rate: RateCharge | None = None
 
 
 class Admission:
-    # Slots by name: each model's partitions (routing/admission/partitions.py, the first
-    # named as the model); the order a request tries them in; where each endpoint is.
-    slots: dict[str, ModelSlots]
-    rotations: dict[str, Rotation]
-    _part_of: dict[tuple[str, str], str]
-    model_of: dict[str, str]  # every partition's model (those a reload left too)
-
     def __init__(
         self,
         store: Store,
@@ -104,13 +100,15 @@ class Admission:
         self.scripts = scripts if scripts is not None else Scripts()
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
-        self._tiers = tiers
-        self._clock = clock
-        self._ids = itertools.count()
+        self._tiers, self._clock, self._ids = tiers, clock, itertools.count()
         self.holdings = Holdings()
         self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
         self.retry = RetryAfter()
-        self.slots, self.rotations, self._part_of, self.model_of = {}, {}, {}, {}
+        # The config's models as slots (routing/admission/layout.py): the same dicts always.
+        self.layout = Layout(self.timing, declare_all=not store.one_node)
+        self.slots, self.rotations, self.model_of = (
+            self.layout.slots, self.layout.rotations, self.layout.model_of
+        )  # fmt: skip
         self.apply(registry, tiers)
         self.store_errors = store_errors if store_errors is not None else StoreErrors()
         self.handback = Handback(
@@ -120,6 +118,10 @@ class Admission:
         self.waiting = Waiting(self.handback)
         self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
         self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
+
+    @property
+    def rates(self) -> Rates:
+        return self.acquire.rates
 
     @property
     def local(self) -> LocalShares:
@@ -149,31 +151,47 @@ class Admission:
         account_limit: int,
         cache_key: str | None = None,
         weight: float = 1.0,
+        *,
         tokens: TokenAsk | None = None,
+        rates: RateLimits | None = None,
     ) -> Admitted:
         """`weight`: the account's share among the accounts waiting in a tier (fair share).
         `tokens`: the request's prompt estimate and answer, for models whose endpoints hold
-        a token budget (`reservation`)."""
+        a token budget (`reservation`) and for a key's tokens limit. `rates`: the key's rate
+        limits, charged a request and `tokens`' reservation (routing/admission/ratelimit.py),
+        reported on the answer and on its error."""
         reserved = self.reservation(candidates, tokens)
         prefix = f"{self.replica_id}-{next(self._ids)}"
         lease_id = make_lease_id(prefix, weight, account, reserved)
         walk = Walk(lease_id, account, account_key(account), account_limit, cache_key, reserved)
+        if rates is not None:
+            walk.rates, walk.rate_tokens = rates, Rates.charge_of(rates, tokens, candidates)
+        admitted = None
         try:
-            try:
-                return await self._walk(walk, candidates, self._clock())
-            except STORE_ERRORS as exc:
-                self.store_errors.report(exc, "admission", refused=True)
-                cand, lease = self.outage.admit(
-                    candidates, walk.lease_id, walk.akey, self.holdings, exc
-                )
-                return Admitted(lease, cand, cand.tier)
+            admitted = await self._admit(walk, candidates)
+            admitted.rate = walk.charge
+            return admitted
         except RoutingError as exc:
             exc.model = exc.model or walk.at
+            exc.quotas = exc.quotas or failed_quotas(rates, walk.charge)
             raise
         finally:
             self.holdings.waiters.pop(lease_id, None)
             if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
                 self.handback.give_back(lease_id, None, walk.akey)
+            if admitted is None and walk.charge is not None:  # nor charged, then
+                self.rates.give_back(walk.charge)
+
+    async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
+        """The walk; Redis away, the outage's answer."""
+        try:
+            return await self._walk(walk, candidates, self._clock())
+        except STORE_ERRORS as exc:
+            self.store_errors.report(exc, "admission", refused=True)
+            cand, lease = self.outage.admit(
+                candidates, walk.lease_id, walk.akey, self.holdings, exc
+            )
+            return Admitted(lease, cand, cand.tier)
 
     async def _walk(
         self,
@@ -246,9 +264,14 @@ class Admission:
 
     # --- leases --------------------------------------------------------------------------
 
-    def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
-        """Give the slot back, with the request's usage record (routing/admission/handback.py)."""
-        return self.handback.release(lease, usage)
+    def release(
+        self, lease: Lease, usage: Mapping[str, str] | None = None, rate: RateCharge | None = None
+    ) -> asyncio.Future[None]:
+        """Give the slot back, with the request's usage record (routing/admission/handback.py)
+        and, in the same batch, its token charge trued up to the tokens the record says
+        were used (`rate`: `Admitted.rate`)."""
+        settle = self.rates.settle(rate, usage) if rate is not None else None
+        return self.handback.release(lease, usage, settle)
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica
@@ -268,36 +291,18 @@ class Admission:
         return self.retry.seconds(model, ahead, self.capacity(model))
 
     def reservation(self, candidates: Sequence[Candidate], tokens: TokenAsk | None) -> int:
-        """What a request reserves of an endpoint's token budget: its prompt estimate and
-        its answer, capped by the largest `max_tokens_default` of its candidates that hold
-        budgets; 0 when none does (or it said nothing). One figure for its whole walk: it
-        is in its lease id (routing/admission/slots.py `make_lease_id`)."""
-        if tokens is None:
-            return 0
-        caps = [
-            c.model.config.max_tokens_default
+        """What a request reserves of an endpoint's token budget (routing/admission/
+        tokens.py `reservation`)."""
+        budgeted = {
+            c.model.name
             for c in candidates
             if any(self.slots[p].budgeted for p in self.rotations[c.model.name].parts)
-        ]
-        return tokens.reservation(max(caps)) if caps else 0
+        }
+        return reservation(candidates, tokens, budgeted)
 
     def _too_large(self, model: str, tokens: int) -> TooLarge | None:
-        """The refusal of a reservation no endpoint of `model` could ever hold (larger than
-        each one's whole budget), else None."""
-        if not tokens:
-            return None
         largest = [self.slots[p].largest_budget() for p in self.rotations[model].parts]
-        budgets = [b for b in largest if b != 0]
-        if not budgets or None in budgets or tokens <= max(b or 0 for b in budgets):
-            return None
-        budget = max(b or 0 for b in budgets)
-        why = (
-            f"This request needs about {tokens} tokens of a worker's KV cache (its prompt "
-            f"and max_tokens, capped at {model!r}'s max_tokens_default), more than any "
-            f"endpoint of {model!r} holds ({budget} tokens): shorten the prompt or lower "
-            "max_tokens."
-        )
-        return TooLarge(why, tokens, budget)
+        return too_large(model, tokens, largest)
 
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about
@@ -307,75 +312,34 @@ class Admission:
 
     def capacity(self, model: str) -> int:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""
-        return sum(self.slots[p].capacity for p in self.rotations[model].parts)
+        return self.layout.capacity(model)
 
     # --- configuration -------------------------------------------------------------------
 
-    def _add(self, model: Model, tiers: TiersConfig) -> None:
-        """Slots for each of the model's partitions (new names only: a partition that left
-        with a reload keeps its slots, its requests in flight still release)."""
-        parts = partition_names(model.name, model.config.partitions)
-        rotation = self.rotations.get(model.name)
-        if rotation is None or rotation.parts != list(parts):
-            self.rotations[model.name] = Rotation(parts)
-        utilization = {t: tiers.policy(t).max_utilization for t in Tier}
-        dealt = split(model.config.endpoints, len(parts), _url)
-        max_queue = _queue_share(model, dealt)
-        for part, endpoints in zip(parts, dealt, strict=True):
-            urls = [e.base_url for e in endpoints]
-            slots = self.slots.get(part)
-            if slots is None:
-                slots = ModelSlots(
-                    part, utilization, max_queue, self.timing, _fair(tiers),
-                    declare_all=not self.store.one_node,
-                )  # fmt: skip
-                self.slots[part] = slots
-                # Every endpoint is in rotation until health checks say otherwise, with
-                # its configured budget (`auto`: none until its worker tells it).
-                slots.configured = frozenset(urls)
-                slots.set_endpoints([_configured(e) for e in endpoints])
-            else:
-                slots.configure(utilization, max_queue, _fair(tiers), urls)
-            for url in urls:
-                self._part_of[model.name, url] = part
-            self.model_of[part] = model.name
-        self.local.capacity[model.name] = self.capacity(model.name)
-
     def apply(self, registry: Registry, tiers: TiersConfig, on_outage: str | None = None) -> None:
-        """A new config: new models (and partitions) get slots, known ones new ceilings and
-        queue bounds, and the local outage shares the new tiers (and the outage its mode, if
-        given). Models that left keep their slots (their requests in flight still release);
-        partitions that left keep theirs too, with no endpoint: they admit no more."""
+        """A new config (routing/admission/layout.py `Layout.apply`), and the local outage
+        shares the new tiers (and the outage its mode, if given)."""
         self._tiers = tiers
         self.local.tiers = tiers
         if on_outage is not None:
             self.outage.mode = on_outage
+        for slots in self.layout.apply(registry, tiers):
+            self._send_index(slots)
         for model in registry:
-            before = self.rotations.get(model.name)
-            self._add(model, tiers)
-            for part in set(before.parts if before else ()) - set(self.rotations[model.name].parts):
-                self.slots[part].set_endpoints([])
-                self._send_index(self.slots[part])
+            self.local.capacity[model.name] = self.capacity(model.name)
 
     def set_endpoints(self, model: str, endpoints: Sequence[EndpointSpec]) -> None:
-        """The endpoints of `model` now in rotation: (url, max_concurrency, load penalty,
-        and its effective token budget or None), as `EndpointSpec`. Redis's endpoint index
-        learns what changed now once admission started (before, at the first acquire or
-        sweep); a write that fails is made whole by the next sweep."""
-        by_part: dict[str, list[EndpointSpec]] = {p: [] for p in self.rotations[model].parts}
-        for endpoint in endpoints:
-            part = self._part_of.get((model, endpoint[0]))
-            if part in by_part:
-                by_part[part].append(endpoint)
-        for part, mine in by_part.items():
-            self.slots[part].set_endpoints(mine)
-            self._send_index(self.slots[part])
+        """The endpoints of `model` now in rotation (`Layout.set_endpoints`). Redis's
+        endpoint index learns what changed now once admission started (before, at the first
+        acquire or sweep); a write that fails is made whole by the next sweep."""
+        for slots in self.layout.set_endpoints(model, endpoints):
+            self._send_index(slots)
         self.local.capacity[model] = self.capacity(model)
 
     def _send_index(self, slots: ModelSlots) -> None:
         if self._started and (call := slots.index()) is not None:
             sent = self.scripts.send(self.store, [call])
-            sent.add_done_callback(partial(_indexed, slots))
+            sent.add_done_callback(partial(indexed, slots))
 
     # --- shutdown ------------------------------------------------------------------------
 
@@ -384,45 +348,3 @@ class Admission:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         await self.handback.drain(timeout_s)
-
-
-def _indexed(slots: ModelSlots, sent: asyncio.Future[list[Any]]) -> None:
-    """An index write's reply: one that failed, was refused (or may have) is written whole."""
-    if sent.cancelled() or sent.exception() is not None:
-        slots.rewrite()
-    else:
-        slots.indexed(sent.result()[0])
-
-
-def _queue_share(model: Model, dealt: Sequence[Sequence[EndpointConfig]]) -> int:
-    """What each partition with endpoints may queue (only those queue): its share of the
-    model's `max_queue`. A partition the hash left empty is said in the log."""
-    filled = sum(1 for d in dealt if d)
-    if filled < len(dealt):
-        log.warning(
-            "model %r: %d of its %d partitions got no endpoint (an endpoint's partition is "
-            "a hash of its URL): fewer partitions, or more endpoints, spread it better",
-            model.name[:256], len(dealt) - filled, len(dealt),
-        )  # fmt: skip
-    return -(-model.config.max_queue // max(filled, 1))
-
-
-def _url(endpoint: EndpointConfig) -> str:
-    return endpoint.base_url
-
-
-def _configured(endpoint: EndpointConfig) -> EndpointSpec:
-    """An endpoint as configured: no penalty yet, its budget if a number (`auto` is read
-    from the worker later: routing/hop/budgets.py)."""
-    budget = endpoint.max_tokens_in_flight
-    return (
-        endpoint.base_url,
-        endpoint.max_concurrency,
-        0.0,
-        budget if isinstance(budget, int) else None,
-    )
-
-
-def _fair(tiers: TiersConfig) -> dict[Tier, str]:
-    """How each tier shares between accounts (`tiers.<tier>.fairness`)."""
-    return {t: tiers.policy(t).fairness for t in Tier}

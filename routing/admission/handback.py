@@ -25,7 +25,7 @@ from routing.store.base import Store
 from routing.store.causes import StoreErrors
 from routing.store.futures import shielded
 from routing.store.resp import NotSent
-from routing.store.scripts import STORE_ERRORS, Scripts, first_error
+from routing.store.scripts import STORE_ERRORS, Call, Scripts, first_error
 from routing.store.wire import text
 from tiers.usage import encodable
 
@@ -60,11 +60,14 @@ class Handback:
 
     # --- leases --------------------------------------------------------------------------
 
-    def release(self, lease: Lease, usage: Mapping[str, str] | None = None) -> asyncio.Future[None]:
+    def release(
+        self, lease: Lease, usage: Mapping[str, str] | None = None, also: Call | None = None
+    ) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record in the same round trip. The
         calls leave at once, whatever happens to the caller afterwards; awaiting the
         result (never an error) is optional. A record Redis did not take is spooled; a
-        release Redis did not answer is retried by the sweeps."""
+        release Redis did not answer is retried by the sweeps. `also`: one more call in the
+        same batch whose failure is only reported (a rate limit's true-up)."""
         self.holdings.held.pop(lease.id, None)
         self._retry.held(lease.model, time.monotonic() - lease.since)
         self._send_claims()  # a claim waiting for the next turn goes first
@@ -80,13 +83,15 @@ class Handback:
             released.set_result(None)
             return released
         calls = self._release_calls(lease)
+        held = len(calls)
+        calls += [also] if also is not None else []
         if usage is not None:
             retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
             calls.append(self._first_sends.call(usage, retention))
         sent = self.scripts.send(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
-        sent.add_done_callback(partial(self._released, lease, usage, released))
+        sent.add_done_callback(partial(self._released, lease, usage, released, held))
         return released
 
     def _released(
@@ -94,11 +99,15 @@ class Handback:
         lease: Lease,
         usage: Mapping[str, str] | None,
         released: asyncio.Future[None],
+        count: int,
         sent: asyncio.Future[list[Any]],
     ) -> None:
+        """`count`: the replies of the slot's release, first in the batch."""
         failed = None if sent.cancelled() else sent.exception()
         replies = None if sent.cancelled() or failed else sent.result()
-        held = None if replies is None else replies[: len(replies) - (usage is not None)]
+        held = None if replies is None else replies[:count]
+        if replies is not None and len(replies) > count + (usage is not None):
+            self._reported(replies[count], "rate limits")
         if held is None or (failed := first_error(held)) is not None:
             self.holdings.doubt(lease.id, lease.keys, lease.account)  # the sweeps retry it
             if failed is not None:
@@ -214,6 +223,14 @@ class Handback:
             last = replies[-1] if replies else None
             endpoint = text(last) if isinstance(last, bytes | str) else ""
             self.give_back(lease_id, model, account, endpoint)
+
+    def _reported(self, reply: Any, what: str) -> None:
+        if isinstance(reply, Exception):
+            self.store_errors.report(reply, what)
+
+    def track(self, future: asyncio.Future[Any]) -> None:
+        """A call on its way that close() waits for (besides those made here)."""
+        self._track(future)
 
     def _track(self, future: asyncio.Future[Any]) -> None:
         self._pending.add(future)

@@ -24,7 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from routing.admission.admit import Admission
-from routing.admission.slots import ModelState, sweep_result
+from routing.admission.replies import ModelState, sweep_result
 from routing.background import BackgroundErrors, every
 from routing.ledger.spool import UsageSpool
 from routing.store.scripts import STORE_ERRORS, Call, first_error
@@ -173,15 +173,7 @@ class Keeper:
             for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
                 if endpoint:
                     self.wake(waiter_id, endpoint)
-        parts: dict[str, list[str]] = {}  # each model's partitions, those a reload left too
-        for part, model in adm.model_of.items():
-            parts.setdefault(model, []).append(part)
-        for model, mine in parts.items():
-            if all(p in found_parts for p in mine):  # a model's parts summed
-                state = _summed([found_parts[p] for p in mine])
-                adm.local.observe(model, state.inflight, sum(work.mine.get(p, 0) for p in mine))
-                self.states[model] = state
-                adm.retry.freed(model, now, state.freed)
+        self._saw_models(work, found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
             adm.local.saw([text(r) for r in replies[at]])
@@ -195,6 +187,19 @@ class Keeper:
         for part, reply in zip(work.reserved, reads, strict=True):
             if not isinstance(reply, Exception):
                 self._saw_reserved(part, reply)
+
+    def _saw_models(self, work: _Round, found: dict[str, ModelState], now: float) -> None:
+        """Each model's state, its partitions' summed, when the sweep read them all."""
+        adm = self.admission
+        parts: dict[str, list[str]] = {}  # each model's partitions, those a reload left too
+        for part, model in adm.model_of.items():
+            parts.setdefault(model, []).append(part)
+        for model, mine in parts.items():
+            if all(p in found for p in mine):
+                state = _summed([found[p] for p in mine])
+                adm.local.observe(model, state.inflight, sum(work.mine.get(p, 0) for p in mine))
+                self.states[model] = state
+                adm.retry.freed(model, now, state.freed)
 
     def _saw_reserved(self, part: str, reply: Any) -> None:
         """A partition's tokens reserved per endpoint, for the endpoints this replica knows

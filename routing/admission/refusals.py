@@ -3,7 +3,8 @@ with the message the caller reads. The Retry-After comes from routing/admission/
 
 from __future__ import annotations
 
-from routing.admission.slots import BUSY, FULL, Attempt
+from routing.admission.replies import Attempt
+from routing.admission.slots import BUSY, FULL
 from routing.errors import Limited, LimitReason
 from tiers.policy import Tier
 

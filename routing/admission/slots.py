@@ -13,7 +13,6 @@ from typing import Any
 
 from routing.admission.affinity import Ring
 from routing.store.scripts import Call
-from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier
 
 GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL, NO_INDEX, PAST_DEADLINE = 1, 2, 0, -1, -2, -3, -4
@@ -33,48 +32,6 @@ def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> 
     if tokens > 0:
         return f"{prefix}~{tokens}~{weight:g}~{digest}"
     return f"{prefix}~{weight:g}~{digest}"
-
-
-# Not frozen, treated as immutable: a frozen dataclass's __init__ costs 3.5 times as much
-# (0.52 against 0.15 us), and one is made per request (hot path); hashable all the same.
-@dataclass(slots=True, unsafe_hash=True)
-class Attempt:
-    status: int
-    endpoint: str
-    # For BUSY/QUEUED/FULL: the model's leases (a grant's reply leaves it out: 0).
-    inflight: int
-    # Waiters of the same or a better tier (for BUSY/QUEUED/FULL).
-    ahead: int
-    # For QUEUED: the waiter's place in the queue (rank x RANK + sequence).
-    place: int
-    # For BUSY while Redis is being rebuilt: ms until the rebuild window ends (else 0).
-    rebuild_ms: int = 0
-    # For BUSY/QUEUED/FULL/PAST_DEADLINE: the grants likely to go before it (its own turn
-    # under fair share; else `ahead`).
-    turn: int = 0
-    # For QUEUED: a lease of a tier that may be preempted was taken for it (its holder
-    # gives it back: the wait is one of the holder's round trips).
-    preempted: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ModelState:
-    inflight: int
-    queued: dict[Tier, int]
-    freed: int
-    # The version of the endpoint index Redis holds ('' when none).
-    version: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    """What a replica's sweep of one model found."""
-
-    state: ModelState
-    # Leases of this replica that Redis had lost and the sweep wrote back.
-    restored: list[str]
-    # Per waiter sent: the endpoint it was granted meanwhile, or "".
-    granted: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +112,14 @@ class ModelSlots:
         # scripts name the others after it, a key passed costing a script more than a name
         # it makes (routing/store/lua/prelude.lua).
         self._key = self.keys if declare_all else self.keys[:1]
-        self.channel = tag + "wake"
-        # The tokens each endpoint's leases reserve (prelude.lua `ep_tok`): read for metrics.
-        self.reserved_key = tag + "ep_tok"
+        # Where grants are announced; the tokens each endpoint's leases reserve (prelude.lua
+        # `ep_tok`), read for metrics.
+        self.channel, self.reserved_key = tag + "wake", tag + "ep_tok"
         self._timing = timing
-        # Whether this replica has seen the model's state in Redis (a sweep answered): if it
-        # is gone later, Redis lost it (routing/store/lua/prelude.lua, `lost`).
-        self.known = False
-        # The waiters per tier the last sweep found (which partition a request queues in).
-        self.seen_queue: dict[Tier, int] = {}
+        # Whether this replica has seen the model's state in Redis (a sweep answered: if it
+        # is gone later, Redis lost it, prelude.lua `lost`); the waiters per tier the last
+        # sweep found (which partition a request queues in).
+        self.known, self.seen_queue = False, dict[Tier, int]()
         # The model's endpoints as configured (None: not told); see `_ceiling`.
         self.configured: frozenset[str] | None = None
         # url -> (max_concurrency, penalty, token budget or 0).
@@ -172,10 +128,8 @@ class ModelSlots:
         # version: a change applies only over that (routing/store/lua/index.lua).
         self._written: dict[str, tuple[int, float, int]] | None = None
         self._written_version = ""
-        self.version = ""
-        self.ring = Ring(())
+        self.version, self.ring, self._rechecked = "", Ring(()), 0
         self.urls: list[str] = []
-        self._rechecked = 0
         self.configure(utilization, max_queue, fair, preempt=preempt)
 
     def configure(
@@ -403,27 +357,3 @@ def _spec_of(endpoint: EndpointSpec) -> tuple[str, tuple[int, float, int]]:
     (to 4 places: finer changes are not worth a write) and its token budget (0: none)."""
     budget = endpoint[3] if len(endpoint) > 3 else None
     return endpoint[0], (endpoint[1], round(endpoint[2], 4), int(budget or 0))
-
-
-def attempt(reply: Any) -> Attempt:
-    """The acquire script's reply: the endpoint alone when granted (a string), else a list."""
-    if isinstance(reply, bytes | str):
-        return Attempt(GRANTED, text(reply), 0, 0, 0)
-    ahead = int(reply[3])
-    turn = int(reply[6]) if len(reply) > 6 else ahead
-    place = int(reply[4])  # negated when a lease was preempted for it
-    return Attempt(
-        int(reply[0]), text(reply[1]), int(reply[2]), ahead, abs(place), int(reply[5]), turn,
-        place < 0,
-    )  # fmt: skip
-
-
-def sweep_result(reply: Sequence[Any]) -> Sweep:
-    state = reply[0]
-    queued = {tier: int(state[1 + i]) for i, tier in enumerate(BY_RANK)}
-    version = text(state[2 + len(BY_RANK)]) if len(state) > 2 + len(BY_RANK) else ""
-    return Sweep(
-        ModelState(int(state[0]), queued, int(state[1 + len(BY_RANK)]), version),
-        [text(x) for x in reply[1]],
-        [text(x) for x in reply[2]],
-    )

@@ -3,7 +3,14 @@ runs (docs/architecture.md, token budgets)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from routing.errors import TooLarge
+
+if TYPE_CHECKING:
+    from routing.admission.plan import Candidate
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,3 +26,35 @@ class TokenAsk:
         (`cap`), which is also what one that named none reserves."""
         output = cap if self.output is None else min(self.output, cap)
         return self.prompt + output
+
+
+def reservation(
+    candidates: Sequence[Candidate], tokens: TokenAsk | None, budgeted: Collection[str]
+) -> int:
+    """What a request reserves of an endpoint's token budget: its prompt estimate and its
+    answer, capped by the largest `max_tokens_default` of its candidates whose models hold
+    budgets (`budgeted`, by name); 0 when none does (or it said nothing). One figure for
+    its whole walk: it is in its lease id (routing/admission/slots.py `make_lease_id`)."""
+    if tokens is None:
+        return 0
+    caps = [c.model.config.max_tokens_default for c in candidates if c.model.name in budgeted]
+    return tokens.reservation(max(caps)) if caps else 0
+
+
+def too_large(model: str, tokens: int, largest: Sequence[int | None]) -> TooLarge | None:
+    """The refusal of a reservation of `tokens` no endpoint of `model` could ever hold,
+    given each of its partitions' largest whole budget (`ModelSlots.largest_budget`: None
+    when an endpoint holds none, 0 when none is in rotation), else None."""
+    budgets = [b for b in largest if b != 0]
+    if not tokens or not budgets or None in budgets:
+        return None
+    budget = max(b or 0 for b in budgets)
+    if tokens <= budget:
+        return None
+    why = (
+        f"This request needs about {tokens} tokens of a worker's KV cache (its prompt "
+        f"and max_tokens, capped at {model!r}'s max_tokens_default), more than any "
+        f"endpoint of {model!r} holds ({budget} tokens): shorten the prompt or lower "
+        "max_tokens."
+    )
+    return TooLarge(why, tokens, budget)

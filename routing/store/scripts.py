@@ -49,7 +49,7 @@ STORE_ERRORS = (RedisError, OSError)
 _PRELUDED = (
     "acquire", "release", "account", "cancel", "claim", "sweep", "move", "index", "start",
 )  # fmt: skip
-_PLAIN = ("account_keep", "heartbeat", "usage")
+_PLAIN = ("account_keep", "heartbeat", "usage", "ratelimit", "ratelimit_settle")
 # Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions
 # a script's common case calls, named on its `-- @needs` line; where each begins.
 REST = "-- @rest\n"

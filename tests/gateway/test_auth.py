@@ -12,7 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
 from gateway.runtime.auth import KEY_PREFIX, KEYS_HASH, KeyStore, create_key, key_from_headers
-from gateway.runtime.settings import KeyConfig, digest_key
+from gateway.runtime.settings import AccountConfig, KeyConfig, digest_key
+from routing.admission.ratelimit import RateLimits
 from tiers.policy import Tier
 
 
@@ -286,3 +287,43 @@ async def test_weight_round_trips_through_redis(redis: Any) -> None:
     assert (await store(redis).authenticate(key)).weight == 3.0
     plain = await create_key(redis, "other")
     assert (await store(redis).authenticate(plain)).weight == 1.0
+
+
+# --- rate limits ----------------------------------------------------------------------------
+
+
+async def test_rate_limits_round_trip_through_redis_with_the_accounts_own(redis: Any) -> None:
+    key = await create_key(redis, "acme", rpm=30, tpm=50_000)
+    accounts = {"acme": AccountConfig(rpm=600), "other": AccountConfig(tpm=10)}
+    account = await store(redis, accounts=accounts).authenticate(key)
+    assert (account.rpm, account.tpm, account.account_rpm, account.account_tpm) == (
+        30, 50_000, 600, None,
+    )  # fmt: skip
+    assert account.rates == RateLimits("acme", account.key_id, 30, 50_000, 600, None)
+    plain = await store(redis).authenticate(await create_key(redis, "acme"))
+    assert (plain.rpm, plain.tpm, plain.rates) == (None, None, None)
+
+
+async def test_a_configured_key_meets_its_accounts_limits(redis: Any) -> None:
+    keys = store(
+        redis,
+        key_config("k-own", tpm=100),
+        key_config("k-acct"),
+        key_config("k-none", account="free"),
+        accounts={"acme": AccountConfig(rpm=5)},
+    )
+    own = (await keys.authenticate("k-own")).rates
+    assert own is not None and (own.tpm, own.account_rpm) == (100, 5)
+    whole = (await keys.authenticate("k-acct")).rates
+    assert whole is not None and (whole.rpm, whole.account_rpm) == (None, 5)
+    assert (await keys.authenticate("k-none")).rates is None
+
+
+@pytest.mark.parametrize("written", [0, -3, "30", 2.5, True, 10**13, None])
+async def test_a_stored_limit_written_by_hand_out_of_range_is_none(
+    redis: Any, written: object
+) -> None:
+    record = {"account": "acme", "rpm": written, "tpm": written}
+    await redis.hset(KEYS_HASH, digest_key("gw-hand"), orjson.dumps(record))
+    account = await store(redis).authenticate("gw-hand")
+    assert (account.rpm, account.tpm, account.rates) == (None, None, None)

@@ -39,6 +39,22 @@ def test_keys_create_takes_a_weight(capsys: pytest.CaptureFixture[str]) -> None:
     assert "weight: 2.5}" in capsys.readouterr().err
 
 
+def test_keys_create_takes_rate_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["keys", "create", "--config", DEMO, "--account", "acme", "--rpm", "30", "--tpm", "9000"]
+    assert main(args) == 0
+    assert "weight: 1, rpm: 30, tpm: 9000}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value"), [("--rpm", "0"), ("--tpm", "-1"), ("--rpm", "2e9")])
+def test_keys_create_refuses_a_rate_limit_out_of_range(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["keys", "create", "--config", DEMO, "--account", "acme", option, value])
+    assert exited.value.code == 2
+    assert option in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("weight", ["0", "-1", "nan", "heavy", "2e6"])
 def test_keys_create_refuses_a_weight_out_of_range(
     weight: str, capsys: pytest.CaptureFixture[str]

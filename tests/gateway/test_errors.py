@@ -47,6 +47,8 @@ LIMIT_CODES = {
     LimitReason.QUEUE_FULL: "queue_full",
     LimitReason.QUEUE_TIMEOUT: "queue_timeout",
     LimitReason.CONCURRENCY_LIMIT: "concurrency_limit",
+    LimitReason.RATE_LIMIT_REQUESTS: "rate_limit_requests",
+    LimitReason.RATE_LIMIT_TOKENS: "rate_limit_tokens",
 }
 UNAVAILABLE_CODES = {
     UnavailableReason.NO_HEALTHY_ENDPOINT: "service_unavailable",
@@ -95,6 +97,13 @@ def test_a_limit_is_a_429_with_its_reason_as_code_and_retry_after(reason: LimitR
     }
     assert headers[b"retry-after"] == b"7"
     assert b"x-should-retry" not in headers
+
+
+def test_a_limit_no_retry_can_fix_tells_the_sdk_not_to_retry() -> None:
+    status, _, headers = answer(
+        Limited("Too large.", LimitReason.RATE_LIMIT_TOKENS, 60, retryable=False)
+    )
+    assert (status, headers[b"retry-after"], headers[b"x-should-retry"]) == (429, b"60", b"false")
 
 
 def test_the_body_is_the_envelope_byte_for_byte() -> None:

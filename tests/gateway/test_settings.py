@@ -193,7 +193,9 @@ def test_tier_defaults() -> None:
 def test_overriding_one_tier_keeps_the_other_tiers_defaults() -> None:
     tiers = parse(config_dict(tiers={"default": {"queue_timeout_s": 5}})).tiers
     assert tiers.default.queue_timeout_s == 5.0
-    assert tiers.priority == TierPolicy(queue_timeout_s=60.0, price_multiplier=1.5, may_preempt=True)
+    assert tiers.priority == TierPolicy(
+        queue_timeout_s=60.0, price_multiplier=1.5, may_preempt=True
+    )
     assert tiers.flex.max_utilization == 0.8
 
 
@@ -268,6 +270,7 @@ def test_example_config_loads_with_empty_environment() -> None:
     assert model.endpoints[1].api_key is None
     assert cfg.keys[0].account == "acme"
     assert cfg.keys[0].tiers == (Tier.DEFAULT, Tier.FLEX)
+    assert (cfg.keys[0].rpm, cfg.accounts["acme"].tpm) == (600, 4_000_000)
 
 
 # --- field checks --------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import GRANTED, QUEUED, RANK, ModelSlots, attempt, make_lease_id
+from routing.admission.replies import attempt
+from routing.admission.slots import GRANTED, QUEUED, RANK, ModelSlots, make_lease_id
 from routing.store.scripts import Scripts
 from routing.store.wire import text
 from tests.redis_cluster import RedisCluster

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import BUSY, NO_INDEX, QUEUED, RANK, attempt
+from routing.admission.replies import attempt
+from routing.admission.slots import BUSY, NO_INDEX, QUEUED, RANK
 from routing.store.wire import text
 from tests.routing.test_slots import A, B, Model, slots
 from tiers.policy import Tier

@@ -11,7 +11,9 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
+import routing.admission.replies as replies_module
 import routing.admission.slots as slots_module
+from routing.admission.replies import Attempt, Sweep, attempt, sweep_result
 from routing.admission.slots import (
     BUSY,
     FULL,
@@ -20,13 +22,9 @@ from routing.admission.slots import (
     QUEUED,
     RANK,
     UNBOUND,
-    Attempt,
     ModelSlots,
-    Sweep,
     Timing,
     account_key,
-    attempt,
-    sweep_result,
 )
 from routing.store.connect import RedisPyStore
 from routing.store.scripts import Scripts
@@ -709,6 +707,7 @@ async def test_the_scripts_take_any_number_of_tiers(
 
     bulk: Any = Bulk()
     monkeypatch.setattr(slots_module, "BY_RANK", (*BY_RANK, bulk))
+    monkeypatch.setattr(replies_module, "BY_RANK", (*BY_RANK, bulk))
     utilization = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 1.0, bulk: 1.0}
     made = ModelSlots("m", utilization, 10, TIMING)
     made.set_endpoints([(A, 1, 0.0), (B, 1, 0.0)])
