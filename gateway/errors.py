@@ -96,6 +96,14 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class HeaderInvalid(GatewayError):
+    """A request header the gateway reads holds a value it cannot use (`param`: its name)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
 class RequestInvalid(GatewayError):
     """A body that does not match the schema. Rendered as the seeds' HTTPValidationError."""
 

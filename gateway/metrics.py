@@ -37,6 +37,8 @@ DURATION_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Queue waits: from a few ms to a tier's longest queue timeout.
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Gauges of a view every process has of the same thing (the fleet, an endpoint's health):
@@ -113,6 +115,7 @@ class Metrics:
         self._declare_background(self.registry)
         self._declare_traffic(self.registry)
         self._declare_admission(self.registry)
+        self._declare_waits(self.registry)
         self._declare_workers(self.registry)
         self._declare_spool(self.registry)
         self._declare_fleet(self.registry)
@@ -180,6 +183,24 @@ class Metrics:
         self.fallbacks = Counter(
             "gateway_fallbacks", "Requests served by a later entry of their models list.",
             ["from_model", "to_model"], registry=r,
+        )  # fmt: skip
+
+    def _declare_waits(self, r: CollectorRegistry) -> None:
+        """How long a request would wait (deadlines), and flex requests preempted."""
+        self.preemptions = Counter(
+            "gateway_preemptions", "Flex requests preempted before their first byte, by "
+            "what became of them (rejected: a 429 preempted; requeued).", ["model", "outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.wait_estimate = Histogram(
+            "gateway_wait_estimate_seconds",
+            "The wait admission estimated for a request that would queue (its turn / the "
+            "model's service rate): queued, or refused at once for its deadline.",
+            ["model", "tier"], registry=r, buckets=WAIT_BUCKETS,
+        )  # fmt: skip
+        self.wait_estimate_error = Histogram(
+            "gateway_wait_estimate_error_seconds", "How far a queued request's actual wait was "
+            "from the estimate (absolute).", ["model", "tier"], registry=r, buckets=WAIT_BUCKETS,
         )  # fmt: skip
 
     def _declare_workers(self, r: CollectorRegistry) -> None:

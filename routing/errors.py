@@ -25,6 +25,8 @@ class LimitReason(StrEnum):
     CONCURRENCY_LIMIT = "concurrency_limit"
     RATE_LIMIT_REQUESTS = "rate_limit_requests"
     RATE_LIMIT_TOKENS = "rate_limit_tokens"
+    DEADLINE_UNREACHABLE = "deadline_unreachable"
+    PREEMPTED = "preempted"
 
 
 class UnavailableReason(StrEnum):
@@ -66,6 +68,16 @@ class Limited(RoutingError):
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.retryable = retryable
+        # The wait admission estimated for it, where it would have queued (a metric).
+        self.wait_estimate_s: float | None = None
+
+
+class Preempted(Limited):
+    """A flex request's slot was taken by a request of a tier that may preempt, before its
+    first byte went to its caller: a 429 `preempted` (unless it is queued again)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, LimitReason.PREEMPTED, retry_after_s)
 
 
 class TooLarge(RoutingError):

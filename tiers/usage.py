@@ -46,6 +46,9 @@ class UsageRecord:
     # estimate and answer cap; 0 where its model has no token budget). Absent from records
     # written before budgets: 0.
     reserved_tokens: int = 0
+    # A flex admission whose slot a tier that may preempt took before its first byte: it
+    # gave its caller nothing (no completion) and costs nothing. Absent before: not.
+    preempted: bool = False
 
     def to_fields(self) -> dict[str, str]:
         """The record as a Redis stream entry: every value a string, None as ""."""
@@ -130,6 +133,6 @@ def _typed(name: str, raw: str) -> Any:
         return int(raw or 0)
     if name in _FLOATS:
         return float(raw or 0)
-    if name == "estimated":
+    if name in ("estimated", "preempted"):
         return raw == "1"
     return raw

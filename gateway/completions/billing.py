@@ -30,10 +30,9 @@ def usage_fields(
     payload: dict[str, Any],
     tiers: TiersConfig,
 ) -> dict[str, str]:
-    """The record as its stream entry (the module's docstring says why in one pass)."""
-    prompt, completion, estimated = _tokens(exchange, payload)
-    started, first, status = exchange.started, exchange.first_byte, exchange.status
-    duration_ms = round((time.perf_counter() - started) * 1000, 3)
+    """The record as its stream entry, in one pass (the module's docstring)."""
+    (prompt, completion, estimated), status = _tokens(exchange, payload), exchange.status
+    started, first = exchange.started, exchange.first_byte
     return {
         "request_id": exchange.rid,
         "ts": utc_now_ms(),
@@ -51,11 +50,12 @@ def usage_fields(
         "estimated": "1" if estimated else "0",
         "status": str(status),
         "outcome": _outcome(status),
-        "duration_ms": str(duration_ms),
+        "duration_ms": str(round((time.perf_counter() - started) * 1000, 3)),
         "queue_ms": str(round(admitted.lease.queued_ms, 3)),
         "ttft_ms": "" if first is None else str(round((first - started) * 1000, 3)),
-        "cost_usd": str(_cost(prompt, completion, admitted, tiers)),
+        "cost_usd": str(_cost(prompt, completion, admitted, tiers, exchange.preempted)),
         "reserved_tokens": str(admitted.lease.tokens),
+        "preempted": "1" if exchange.preempted else "0",
     }
 
 
@@ -68,7 +68,13 @@ def _tokens(exchange: Exchange, payload: dict[str, Any]) -> tuple[int, int, bool
     return _estimate_prompt(payload), usage.streamed, True
 
 
-def _cost(prompt: int, completion: int, admitted: Admitted, tiers: TiersConfig) -> float:
+def _cost(
+    prompt: int, completion: int, admitted: Admitted, tiers: TiersConfig, preempted: bool
+) -> float:
+    """The price of what it used; a preempted admission, which gave its caller nothing,
+    costs nothing."""
+    if preempted:
+        return 0.0
     price = admitted.candidate.model.config.price
     multiplier = tiers.policy(admitted.tier).price_multiplier
     return cost_usd(prompt, completion, price.input_per_mtok, price.output_per_mtok, multiplier)

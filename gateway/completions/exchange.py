@@ -31,6 +31,9 @@ class Parsed:
     source: str | None
     # Filled for the access log when it is on (gateway/edge/access.py).
     note: AccessNote | None
+    # How long the caller waits (x-request-timeout, gateway/edge/deadline.py): None for
+    # as long as its tier's queue timeout.
+    deadline_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +70,9 @@ class Exchange:
     first_byte: float | None = None
     # The caller disconnected (a cancellation then is theirs, not the server's shutdown).
     caller_gone: bool = False
+    # A flex request whose slot was taken before its first byte (gateway/completions/
+    # preempt.py): its caller got nothing from this admission.
+    preempted: bool = False
     # The caller's trace context, checked (gateway/completions/trace.py), for the worker.
     trace: dict[str, str] = field(default_factory=dict)
     # Headers every answer carries once admitted: a rate-limited key's x-ratelimit-*

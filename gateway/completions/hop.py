@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.completions.answer import StreamRewriter, error_event, rewrite_answer, worker_error
 from gateway.completions.exchange import Exchange
+from gateway.completions.preempt import preempted
 from gateway.edge.asgi import ClientGone, Reply, send_error, send_json
 from gateway.edge.body import dumps
 from gateway.errors import (
@@ -121,6 +122,14 @@ class Hop:
         body = worker_body(self._payload, self._exchange.stream, self._admitted, endpoint)
         return await self._state.upstream.post(url, body, headers)
 
+    async def _first_byte(self) -> None:
+        """A request that may be preempted asks, before anything goes to its caller,
+        whether its slot is still its own; from then on it never is preempted. Raises
+        `Preempted` (it sends nothing) when the slot was taken first."""
+        admitted, admission = self._admitted, self._state.admission
+        if admitted.preemptible and not await admission.preemptions.started(admitted.lease):
+            raise preempted(admission, admitted)
+
     async def _fail(self, exc: GatewayError) -> None:
         self._exchange.status = exc.status
         self._exchange.finished = True
@@ -140,6 +149,7 @@ class Hop:
         except (GatewayError, RoutingError) as exc:
             await self._fail(_answer(exc))
             return
+        await self._first_byte()
         exchange.finished = True
         exchange.first_byte = time.perf_counter()
         rid = exchange.rid.encode("latin-1")
@@ -167,6 +177,7 @@ class Hop:
             out = rewriter.feed(first)
         except (GatewayError, RoutingError) as exc:
             out, failure = b"", _answer(exc)
+        await self._first_byte()
         if out:
             exchange.first_byte = time.perf_counter()
         try:

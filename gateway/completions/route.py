@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-import traceback
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
-from gateway.completions.answer import error_event
 from gateway.completions.billing import usage_fields
+from gateway.completions.endings import crashed, cut_short, end_with, shut_down, uncancel
 from gateway.completions.exchange import Exchange, Parsed, Usage
 from gateway.completions.hop import Hop
+from gateway.completions.preempt import requeued, unless_preempted
 from gateway.completions.trace import trace_headers
 from gateway.edge.access import NOTE, AccessNote
 from gateway.edge.asgi import (
@@ -36,10 +34,10 @@ from gateway.edge.asgi import (
     send_error,
 )
 from gateway.edge.body import parse_body
+from gateway.edge.deadline import request_deadline
 from gateway.edge.protocol import forget_disconnect, on_disconnect
 from gateway.errors import (
     GatewayError,
-    InternalError,
     RateLimited,
     ServiceUnavailable,
     from_routing,
@@ -53,7 +51,7 @@ from routing.admission.admit import Admitted
 from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
 from routing.admission.tokens import TokenAsk
-from routing.errors import RoutingError, UnavailableReason
+from routing.errors import Limited, Preempted, RoutingError, UnavailableReason
 from routing.quotas import Quotas
 from tiers.resolve import requested_tier
 
@@ -81,7 +79,7 @@ class CompletionRoute:
         try:
             await self._serve(receive, reply, headers, rid, started, note)
         except Exception as exc:  # the last resort (house style): it answers, logs and counts
-            if await _crashed(exc, rid, reply, stream=False):
+            if await crashed(exc, rid, reply, stream=False):
                 self._state.metrics.requests_of("", "", "500").inc()
 
     async def _serve(
@@ -107,22 +105,22 @@ class CompletionRoute:
                 await read_body(receive, headers.content_length, limit), self._schema
             )
             payload = request.for_worker(payload)
+            deadline_s = request_deadline(headers.request_timeout)
         except ClientGone:
             return
         except GatewayError as exc:
             await self._refused_early(exc, rid, reply, account)
             return
         except asyncio.CancelledError:  # the server's stop cut it short while it was read
-            _uncancel()
+            uncancel()
             state.metrics.requests_of("", "", "503").inc()
-            await _end_with(_shut_down(), rid, reply, stream=False)
+            await end_with(shut_down(), rid, reply, stream=False)
             return
         wanted = requested_tier(request.service_tier, headers.service_tier)
-        parsed = Parsed(rid, started, account, payload, request, wanted, headers.source, note)
-        options = request.stream_options
-        include_usage = True if options is None else bool(options.include_usage)
-        trace = trace_headers(headers.traceparent, headers.tracestate)
-        exchange = Exchange(rid, started, bool(request.stream), include_usage, Usage(), trace=trace)
+        parsed = Parsed(
+            rid, started, account, payload, request, wanted, headers.source, note, deadline_s
+        )  # fmt: skip
+        exchange = _exchange(parsed, headers)
         await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
 
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
@@ -134,35 +132,60 @@ class CompletionRoute:
         except asyncio.CancelledError:
             if exchange.caller_gone:
                 raise
-            await _cut_short(parsed.rid, exchange, reply)
+            await cut_short(parsed.rid, exchange, reply)
             self._state.metrics.requests_of("", "", str(exchange.status)).inc()
             return
         exchange.headers = _admitted_headers(parsed.account, admitted)
+        next_try: Admitted | None = admitted
+        while next_try is not None:
+            next_try = await self._serve_admitted(parsed, exchange, reply, next_try)
+
+    async def _serve_admitted(
+        self, parsed: Parsed, exchange: Exchange, reply: Reply, admitted: Admitted
+    ) -> Admitted | None:
+        """The admitted request's hop and release; a flex request preempted before its
+        first byte (gateway/completions/preempt.py) is answered 429 `preempted`, or its
+        second admission is returned (`tiers.flex.on_preempt: requeue`)."""
+        preempted: Preempted | None = None
         try:
             hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
-            await hop.run()
+            await unless_preempted(hop.run(), self._state.admission, admitted)
+        except Preempted as exc:
+            preempted, exchange.status, exchange.preempted = exc, 429, True
         except ClientGone:
             exchange.status = 499  # nginx's "client closed request", for metrics only
         except asyncio.CancelledError:
             if exchange.caller_gone:
                 exchange.status = 499
                 raise
-            await _cut_short(parsed.rid, exchange, reply)
+            await cut_short(parsed.rid, exchange, reply)
         except Exception as exc:  # the last resort: answered, logged, and in the record
             if not reply.ended:
                 exchange.status = 500  # the record says what the caller got
             exchange.finished = True
-            await _crashed(exc, parsed.rid, reply, exchange.stream, exchange.headers)
+            await crashed(exc, parsed.rid, reply, exchange.stream, exchange.headers)
         finally:
-            admission = self._state.admission
-            record: dict[str, str] | None = None
-            try:
-                record = self._record(parsed, admitted, exchange)
-            except Exception as exc:  # the slot must go back whatever the record holds
-                admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
-            # With the record (and the rate limits' true-up), in one round trip.
-            admission.release(admitted.lease, record, admitted.rate)
-            self._observe(admitted, exchange, parsed.note)
+            self._release(parsed, admitted, exchange)
+        if preempted is None:
+            return None
+        again = await requeued(self._state, parsed, exchange, admitted)
+        if again is None:
+            error = from_routing(preempted)
+            self._rejected(parsed, error)
+            await send_error(reply, error, parsed.rid, exchange.headers)
+        return again
+
+    def _release(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> None:
+        """The slot back with the usage record (and the rate limits' true-up), in one round
+        trip, whatever the record holds."""
+        admission = self._state.admission
+        record: dict[str, str] | None = None
+        try:
+            record = self._record(parsed, admitted, exchange)
+        except Exception as exc:  # the slot must go back whatever the record holds
+            admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
+        admission.release(admitted.lease, record, admitted.rate, preempted=exchange.preempted)
+        self._observe(admitted, exchange, parsed.note)
 
     async def _admit(self, parsed: Parsed) -> Admitted:
         request, account = parsed.request, parsed.account
@@ -181,7 +204,7 @@ class CompletionRoute:
         tokens = TokenAsk(prompt_tokens(request), output_tokens(request))
         admitted = await self._state.admission.admit(
             candidates, account.name, account.max_concurrency, cache_key, account.weight,
-            tokens=tokens, rates=rates,
+            tokens=tokens, rates=rates, deadline_s=parsed.deadline_s,
         )  # fmt: skip
         if admitted.candidate is not candidates[0]:
             first = candidates[0].model.name
@@ -216,6 +239,9 @@ class CompletionRoute:
         """Admission's refusal (a 429, a 503, an unknown model's 404) as the answer."""
         error = from_routing(exc)
         self._rejected(parsed, error)
+        if isinstance(exc, Limited) and exc.wait_estimate_s is not None:  # its deadline's
+            tier = parsed.wanted.value
+            self._state.metrics.wait_estimate.labels(error.model, tier).observe(exc.wait_estimate_s)
         exchange.finished = True
         headers = await self._quota_headers(parsed.account, exc.quotas)
         await send_error(reply, error, parsed.rid, headers)
@@ -244,6 +270,11 @@ class CompletionRoute:
 
     def _observe(self, admitted: Admitted, exchange: Exchange, note: AccessNote | None) -> None:
         model, tier = admitted.candidate.model.name, admitted.tier.value
+        if (estimate := admitted.wait_estimate_s) is not None:
+            metrics = self._state.metrics
+            metrics.wait_estimate.labels(model, tier).observe(estimate)
+            waited = admitted.lease.queued_ms / 1000
+            metrics.wait_estimate_error.labels(model, tier).observe(abs(waited - estimate))
         served = self._state.metrics.served(model, tier)
         ttft = None if exchange.first_byte is None else exchange.first_byte - exchange.started
         served.answered(exchange.status, time.perf_counter() - exchange.started, ttft)
@@ -254,6 +285,17 @@ class CompletionRoute:
         usage = exchange.usage
         if usage.reported:
             served.tokens(usage.prompt_tokens, usage.completion_tokens)
+
+
+def _exchange(parsed: Parsed, headers: RequestHeaders) -> Exchange:
+    """What will happen to the request once admitted, as it starts."""
+    request = parsed.request
+    options = request.stream_options
+    include_usage = True if options is None else bool(options.include_usage)
+    trace = trace_headers(headers.traceparent, headers.tracestate)
+    return Exchange(
+        parsed.rid, parsed.started, bool(request.stream), include_usage, Usage(), trace=trace
+    )
 
 
 async def _until_disconnect(
@@ -295,72 +337,3 @@ def _admitted_headers(account: Account, admitted: Admitted) -> Headers:
     if account.rates is None:
         return ()
     return quota_headers(admitted.rate.quotas if admitted.rate else account.rates.unknown())
-
-
-async def _crashed(
-    exc: Exception, rid: str, reply: Reply, stream: bool, headers: Headers = ()
-) -> bool:
-    """The answer to a failure nobody foresaw, however far the answer had got: a 500 before
-    it started, an SSE error event and the end of a started stream. True if it was sent."""
-    # The type and the place only: an exception's text may quote the body.
-    log.error("request %s failed: unexpected %s at %s", rid, type(exc).__name__, _where(exc))
-    return await _end_with(InternalError(), rid, reply, stream, headers)
-
-
-async def _cut_short(rid: str, exchange: Exchange, reply: Reply) -> None:
-    """The server cancelled the request: its graceful shutdown ran out of time. The caller
-    is told so (a 503 `shutting_down`, or an SSE error event ending a started stream)
-    rather than cut off, and the record says what it got."""
-    _uncancel()
-    exchange.finished = True
-    error = _shut_down()
-    if not reply.ended:
-        exchange.status = error.status
-    await _end_with(error, rid, reply, exchange.stream, exchange.headers)
-
-
-def _uncancel() -> None:
-    """The cancel is answered here: the request ends normally."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-
-
-def _shut_down() -> ServiceUnavailable:
-    return ServiceUnavailable(
-        "The gateway shut down before the answer was complete.",
-        reason=UnavailableReason.SHUTTING_DOWN,
-    )
-
-
-async def _end_with(
-    error: GatewayError, rid: str, reply: Reply, stream: bool, headers: Headers = ()
-) -> bool:
-    """`error` as the end of the answer, however far it had got. True if it was sent."""
-    if reply.ended:
-        return False
-    try:
-        if not reply.started:
-            await send_error(reply, error, rid, headers)
-            return True
-        if stream:
-            event = error_event(error)
-            await reply({"type": "http.response.body", "body": event, "more_body": True})
-        await reply({"type": "http.response.body", "body": b"", "more_body": False})
-    except OSError:  # the caller is gone as well: nobody is left to tell
-        return False
-    return True
-
-
-def _where(exc: BaseException) -> str:
-    """The innermost frame of the gateway's own code that the exception went through."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if f.filename.startswith(_PACKAGES)] or frames
-    if not ours:
-        return "?"
-    frame = ours[-1]
-    return f"{frame.filename.removeprefix(_ROOT)}:{frame.lineno} ({frame.name})"
-
-
-_ROOT = str(Path(__file__).resolve().parents[2]) + os.sep  # where gateway/ is
-_PACKAGES = tuple(_ROOT + package + os.sep for package in ("gateway", "routing", "tiers"))

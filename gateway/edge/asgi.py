@@ -40,6 +40,7 @@ class RequestHeaders:
     content_length: str | None = None
     traceparent: str | None = None
     tracestate: str | None = None
+    request_timeout: str | None = None
 
 
 _WANTED = {
@@ -52,6 +53,7 @@ _WANTED = {
     b"content-length": "content_length",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
+    b"x-request-timeout": "request_timeout",
 }
 
 

@@ -46,6 +46,13 @@ class Walk:
     rate_tokens: int = 0
     rated: bool = False
     charge: RateCharge | None = None
+    # The caller's deadline (the clock's time, x-request-timeout) and, for the candidate
+    # being tried, the most grants it may wait behind to meet it (None: no such bound);
+    # a preempted request's second try queues at the head of its tier.
+    deadline: float | None = None
+    deadline_s: float = 0.0
+    max_turn: int | None = None
+    at_head: bool = False
 
 
 class Acquire:
@@ -190,6 +197,8 @@ class Acquire:
                 may_wait=may_wait,
                 affinity=preferred,
                 account=account,
+                max_turn=walk.max_turn,
+                at_head=walk.at_head,
             )
         )
         return calls

@@ -30,16 +30,18 @@ from functools import partial
 
 from routing.admission import refusals
 from routing.admission.acquire import Acquire, Walk
-from routing.admission.estimate import RetryAfter
+from routing.admission.estimate import RetryAfter, max_turn, wait_s
 from routing.admission.handback import Handback
 from routing.admission.holdings import Holdings, Lease, Waiter
 from routing.admission.layout import Layout, indexed
 from routing.admission.outage import LocalShares, Outage
 from routing.admission.plan import Candidate
+from routing.admission.preemption import Preemptions
 from routing.admission.ratelimit import RateCharge, RateLimits, Rates, failed_quotas
 from routing.admission.replies import Attempt
 from routing.admission.slots import (
     GRANTED,
+    PAST_DEADLINE,
     QUEUED,
     RANK,
     EndpointSpec,
@@ -75,6 +77,10 @@ class Admitted:
     # What its rate limits charged (routing/admission/ratelimit.py): None without limits,
     # or when Redis did not answer (admitted by the outage's local share).
     rate: RateCharge | None = None
+    # The wait estimated for it when it queued (None: it did not, or no rate was known).
+    wait_estimate_s: float | None = None
+    # Whether a tier that may preempt can take its slot until it starts (`start`).
+    preemptible: bool = False
 
 
 class Admission:
@@ -115,7 +121,7 @@ class Admission:
             self.scripts, self.store, self.slots, self.holdings, spool, self.retry,
             self.store_errors,
         )  # fmt: skip
-        self.waiting = Waiting(self.handback)
+        self.waiting, self.preemptions = Waiting(self.handback), Preemptions(self.handback)
         self.acquire = Acquire(self.handback, self.waiting, self.timing, clock)
         self.ledger = Ledger(spool, store_sender(self.scripts, self.store))
 
@@ -154,18 +160,21 @@ class Admission:
         *,
         tokens: TokenAsk | None = None,
         rates: RateLimits | None = None,
+        deadline_s: float | None = None,
+        at_head: bool = False,
     ) -> Admitted:
-        """`weight`: the account's share among the accounts waiting in a tier (fair share).
-        `tokens`: the request's prompt estimate and answer, for models whose endpoints hold
-        a token budget (`reservation`) and for a key's tokens limit. `rates`: the key's rate
-        limits, charged a request and `tokens`' reservation (routing/admission/ratelimit.py),
-        reported on the answer and on its error."""
-        reserved = self.reservation(candidates, tokens)
-        prefix = f"{self.replica_id}-{next(self._ids)}"
-        lease_id = make_lease_id(prefix, weight, account, reserved)
-        walk = Walk(lease_id, account, account_key(account), account_limit, cache_key, reserved)
+        """`weight`: the account's share in a tier's fair share. `tokens`: the request's
+        prompt estimate and answer, for token budgets (`reservation`) and a key's tokens
+        limit. `rates`: the key's rate limits (routing/admission/ratelimit.py), charged a
+        request and `tokens`. `deadline_s`: how long the caller waits (x-request-timeout): a
+        wait estimated longer is refused at once, a queued request leaves when it passes.
+        `at_head`: queue before the tier's waiters (a preempted request's second try)."""
+        walk = self._walk_of(candidates, account, account_limit, cache_key, weight, tokens)
         if rates is not None:
             walk.rates, walk.rate_tokens = rates, Rates.charge_of(rates, tokens, candidates)
+        if deadline_s is not None:
+            walk.deadline, walk.deadline_s = self._clock() + deadline_s, deadline_s
+        walk.at_head = at_head
         admitted = None
         try:
             admitted = await self._admit(walk, candidates)
@@ -176,11 +185,31 @@ class Admission:
             exc.quotas = exc.quotas or failed_quotas(rates, walk.charge)
             raise
         finally:
-            self.holdings.waiters.pop(lease_id, None)
-            if self.holdings.walking.pop(lease_id, None) is not None:  # not admitted
-                self.handback.give_back(lease_id, None, walk.akey)
-            if admitted is None and walk.charge is not None:  # nor charged, then
-                self.rates.give_back(walk.charge)
+            self._walked(walk, admitted is not None)
+
+    def _walked(self, walk: Walk, admitted: bool) -> None:
+        """The walk ended: what it took and does not keep goes back (the account's entry
+        when not admitted, its rate charge then too)."""
+        self.holdings.waiters.pop(walk.lease_id, None)
+        if self.holdings.walking.pop(walk.lease_id, None) is not None:  # not admitted
+            self.handback.give_back(walk.lease_id, None, walk.akey)
+        if not admitted and walk.charge is not None:  # nor charged, then
+            self.rates.give_back(walk.charge)
+
+    def _walk_of(
+        self,
+        candidates: Sequence[Candidate],
+        account: str,
+        limit: int,
+        cache_key: str | None,
+        weight: float,
+        tokens: TokenAsk | None,
+    ) -> Walk:
+        """A new walk, its lease id carrying its account, weight and reservation."""
+        reserved = self.reservation(candidates, tokens)
+        prefix = f"{self.replica_id}-{next(self._ids)}"
+        lease_id = make_lease_id(prefix, weight, account, reserved)
+        return Walk(lease_id, account, account_key(account), limit, cache_key, reserved)
 
     async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
         """The walk; Redis away, the outage's answer."""
@@ -210,6 +239,8 @@ class Admission:
                 last = too_large
                 continue
             deadline = self._clock() + self._tiers.policy(cand.tier).queue_timeout_s
+            if walk.deadline is not None:
+                deadline = min(deadline, walk.deadline)
             admitted, last = await self._try_parts(walk, cand, deadline, started)
             if admitted is not None:
                 return admitted
@@ -227,7 +258,12 @@ class Admission:
         for part, may_wait in order:
             if self.slots[part].capacity == 0:  # out of rotation meanwhile
                 continue
+            rate = self.retry.rate(model, self.capacity(model))
+            # The most grants it may wait behind in this partition and meet its deadline.
+            left = None if walk.deadline is None else walk.deadline - self._clock()
+            walk.max_turn = None if left is None else max_turn(left, rate, self._live(model))
             result = await self.acquire.past_rebuild(walk, part, may_wait, tier, deadline)
+            estimate = wait_s(self._model_turn(model, result.turn), rate)
             endpoint = await self._settle(walk, model, tier, result, deadline)
             if endpoint is not None:
                 queued_ms = (self._clock() - started) * 1000
@@ -237,9 +273,12 @@ class Admission:
                 )  # fmt: skip
                 self.holdings.walking.pop(walk.lease_id, None)  # the lease owns the entry now
                 self.holdings.held[lease.id] = lease
-                return Admitted(lease, cand, tier), None
+                queued = estimate if result.status == QUEUED and not result.preempted else None
+                preemptible = self.slots[part].preemptible(tier)
+                return Admitted(lease, cand, tier, None, queued, preemptible), None
             retry = self.retry_after(model, self._model_turn(model, result.turn))
             last = refusals.rejection(model, tier, result, retry)
+            last.wait_estimate_s = estimate if result.status == PAST_DEADLINE else None
         if last is None:  # every partition went out of rotation while this one walked
             why = f"{model!r} has no healthy endpoint."
             last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
@@ -260,18 +299,26 @@ class Admission:
             return outcome
         # Timed out: its Retry-After from its turn if it came again.
         retry = self.retry_after(model, self._model_turn(model, outcome))
+        if walk.deadline is not None and walk.deadline <= deadline:  # its own deadline passed
+            raise refusals.deadline_passed(model, walk.deadline_s, retry)
         raise refusals.queue_timeout(model, timeout, retry)
 
     # --- leases --------------------------------------------------------------------------
 
     def release(
-        self, lease: Lease, usage: Mapping[str, str] | None = None, rate: RateCharge | None = None
+        self,
+        lease: Lease,
+        usage: Mapping[str, str] | None = None,
+        rate: RateCharge | None = None,
+        *,
+        preempted: bool = False,
     ) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record (routing/admission/handback.py)
         and, in the same batch, its token charge trued up to the tokens the record says
-        were used (`rate`: `Admitted.rate`)."""
+        were used (`rate`: `Admitted.rate`); a preempted lease leaves `doomed` too."""
         settle = self.rates.settle(rate, usage) if rate is not None else None
-        return self.handback.release(lease, usage, settle)
+        also = [settle] if settle is not None else []
+        return self.handback.release(lease, usage, also + self.preemptions.done(lease, preempted))
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica
@@ -307,8 +354,11 @@ class Admission:
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about
         its share of the model's frees (which Retry-After's rate counts)."""
-        parts = [p for p in self.rotations[model].parts if self.slots[p].capacity > 0]
-        return turn * max(1, len(parts))
+        return turn * max(1, self._live(model))
+
+    def _live(self, model: str) -> int:
+        """`model`'s partitions with an endpoint in rotation."""
+        return sum(1 for p in self.rotations[model].parts if self.slots[p].capacity > 0)
 
     def capacity(self, model: str) -> int:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""

@@ -47,14 +47,39 @@ class RetryAfter:
         rate, hold = self.freed_rate.get(model, 0.0), self.hold_s.get(model)
         return retry_after_s(ahead, capacity, rate, hold)
 
+    def rate(self, model: str, capacity: int) -> float:
+        """Slots of `model` likely freed per second (0: nothing measured yet)."""
+        return service_rate(capacity, self.freed_rate.get(model, 0.0), self.hold_s.get(model))
+
 
 def retry_after_s(ahead: int, capacity: int, freed_rate: float, hold_s: float | None) -> int:
     """Whole seconds until a slot is likely free with `ahead` waiters in front, for a model
     of `capacity` slots that the fleet frees at `freed_rate` a second and that requests hold
     `hold_s` seconds (None: not measured yet)."""
-    rate = freed_rate
-    if hold_s is not None and capacity > 0:
-        rate = max(rate, capacity / max(hold_s, 0.001))
+    rate = service_rate(capacity, freed_rate, hold_s)
     if rate <= 0.0:
         return 1 + min(ahead, MAX_RETRY_AFTER_S - 1)
     return max(1, min(MAX_RETRY_AFTER_S, math.ceil((ahead + 1) / rate)))
+
+
+def service_rate(capacity: int, freed_rate: float, hold_s: float | None) -> float:
+    """Slots freed per second: the fleet's measured rate, or capacity / hold time if that is
+    faster (0: neither measured yet)."""
+    rate = freed_rate
+    if hold_s is not None and capacity > 0:
+        rate = max(rate, capacity / max(hold_s, 0.001))
+    return rate
+
+
+def max_turn(remaining_s: float, rate: float, parts: int) -> int | None:
+    """The most grants a request may wait behind in one of `parts` partitions' queues and
+    still be served within `remaining_s` at `rate` (slots a second, over the model): its own
+    grant is the turn + 1-th (-1: not even first). None when the rate is not known."""
+    if rate <= 0.0:
+        return None
+    return math.floor(max(0.0, remaining_s) * rate / max(1, parts)) - 1
+
+
+def wait_s(turn: int, rate: float) -> float | None:
+    """The wait of a request with `turn` grants ahead of it over the model (None: unknown)."""
+    return (turn + 1) / rate if rate > 0.0 else None

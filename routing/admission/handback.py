@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -61,13 +61,14 @@ class Handback:
     # --- leases --------------------------------------------------------------------------
 
     def release(
-        self, lease: Lease, usage: Mapping[str, str] | None = None, also: Call | None = None
+        self, lease: Lease, usage: Mapping[str, str] | None = None, also: Sequence[Call] = ()
     ) -> asyncio.Future[None]:
         """Give the slot back, with the request's usage record in the same round trip. The
         calls leave at once, whatever happens to the caller afterwards; awaiting the
         result (never an error) is optional. A record Redis did not take is spooled; a
-        release Redis did not answer is retried by the sweeps. `also`: one more call in the
-        same batch whose failure is only reported (a rate limit's true-up)."""
+        release Redis did not answer is retried by the sweeps. `also`: more calls in the
+        same batch whose failures are only reported (a rate limit's true-up, a preempted
+        lease's mark)."""
         self.holdings.held.pop(lease.id, None)
         self._retry.held(lease.model, time.monotonic() - lease.since)
         self._send_claims()  # a claim waiting for the next turn goes first
@@ -84,7 +85,7 @@ class Handback:
             return released
         calls = self._release_calls(lease)
         held = len(calls)
-        calls += [also] if also is not None else []
+        calls += also
         if usage is not None:
             retention = self.spool.retention_s if self.spool is not None else DEFAULT_RETENTION_S
             calls.append(self._first_sends.call(usage, retention))
@@ -106,8 +107,9 @@ class Handback:
         failed = None if sent.cancelled() else sent.exception()
         replies = None if sent.cancelled() or failed else sent.result()
         held = None if replies is None else replies[:count]
-        if replies is not None and len(replies) > count + (usage is not None):
-            self._reported(replies[count], "rate limits")
+        if replies is not None:  # the extra calls (`also`): failures only reported
+            for reply in replies[count : len(replies) - (usage is not None)]:
+                self._reported(reply, "release")
         if held is None or (failed := first_error(held)) is not None:
             self.holdings.doubt(lease.id, lease.keys, lease.account)  # the sweeps retry it
             if failed is not None:

@@ -264,7 +264,11 @@ class Keeper:
                 await asyncio.wait_for(_close_quietly(pubsub), 1.0)
 
     def _on_message(self, message: dict[str, Any]) -> None:
-        waiter_id, _, endpoint = text(message.get("data")).partition(" ")
+        data = text(message.get("data"))
+        if data.startswith("!"):  # a lease preempted (routing/admission/preemption.py)
+            self.admission.preemptions.told(data[1:].partition(" ")[0])
+            return
+        waiter_id, _, endpoint = data.partition(" ")
         if endpoint:
             self.wake(waiter_id, endpoint)
 

@@ -4,13 +4,20 @@ with the message the caller reads. The Retry-After comes from routing/admission/
 from __future__ import annotations
 
 from routing.admission.replies import Attempt
-from routing.admission.slots import BUSY, FULL
+from routing.admission.slots import BUSY, FULL, PAST_DEADLINE
 from routing.errors import Limited, LimitReason
 from tiers.policy import Tier
 
 
 def rejection(model: str, tier: Tier, result: Attempt, retry_after_s: int) -> Limited:
-    """A candidate's acquire that neither granted nor queued (`result` BUSY or FULL)."""
+    """A candidate's acquire that neither granted nor queued (`result` BUSY, FULL or
+    PAST_DEADLINE)."""
+    if result.status == PAST_DEADLINE:
+        message = (
+            f"The wait for a slot of {model!r} ({result.turn} requests likely go first) "
+            "would pass this request's deadline (x-request-timeout)."
+        )
+        return Limited(message, LimitReason.DEADLINE_UNREACHABLE, retry_after_s=retry_after_s)
     if result.status == FULL:
         message = f"The queue of {model!r} is full ({result.ahead} waiting)."
         return Limited(message, LimitReason.QUEUE_FULL, retry_after_s=retry_after_s)
@@ -26,6 +33,16 @@ def queue_timeout(model: str, timeout_s: float, retry_after_s: int) -> Limited:
     return Limited(
         f"Waited {timeout_s:g}s in the queue of {model!r} without a free slot.",
         LimitReason.QUEUE_TIMEOUT,
+        retry_after_s=retry_after_s,
+    )
+
+
+def deadline_passed(model: str, deadline_s: float, retry_after_s: int) -> Limited:
+    """A queued request whose own deadline passed before a slot freed."""
+    return Limited(
+        f"No slot of {model!r} freed within this request's deadline ({deadline_s:g}s, "
+        "x-request-timeout).",
+        LimitReason.DEADLINE_UNREACHABLE,
         retry_after_s=retry_after_s,
     )
 

@@ -106,29 +106,29 @@ class ModelSlots:
         (a Redis Cluster: a node that is handing the slot on checks the keys a script was
         given before it runs; a key it only names could fail it midway)."""
         tag = "gw:{" + model + "}:"
-        self.model = model
-        self.keys = [tag + k for k in _MODEL_KEYS]
+        self.model, self.keys = model, [tag + k for k in _MODEL_KEYS]
         # What the scripts are given: the leases first; on one Redis only those, as the
         # scripts name the others after it, a key passed costing a script more than a name
         # it makes (routing/store/lua/prelude.lua).
         self._key = self.keys if declare_all else self.keys[:1]
         # Where grants are announced; the tokens each endpoint's leases reserve (prelude.lua
-        # `ep_tok`), read for metrics.
-        self.channel, self.reserved_key = tag + "wake", tag + "ep_tok"
+        # `ep_tok`), read for metrics; the preempted leases not given back yet (`doomed`).
+        self.channel, self.reserved_key, self.doomed_key = (
+            tag + "wake", tag + "ep_tok", tag + "doomed"
+        )  # fmt: skip
         self._timing = timing
         # Whether this replica has seen the model's state in Redis (a sweep answered: if it
         # is gone later, Redis lost it, prelude.lua `lost`); the waiters per tier the last
         # sweep found (which partition a request queues in).
         self.known, self.seen_queue = False, dict[Tier, int]()
-        # The model's endpoints as configured (None: not told); see `_ceiling`.
+        # The model's endpoints as configured (None: not told; see `_ceiling`); url ->
+        # (max_concurrency, penalty, token budget or 0) of those in rotation.
         self.configured: frozenset[str] | None = None
-        # url -> (max_concurrency, penalty, token budget or 0).
         self._spec: dict[str, tuple[int, float, int]] = {}
         # The index as this replica last wrote it (None: to be written whole), and its
         # version: a change applies only over that (routing/store/lua/index.lua).
         self._written: dict[str, tuple[int, float, int]] | None = None
-        self._written_version = ""
-        self.version, self.ring, self._rechecked = "", Ring(()), 0
+        self._written_version, self.version, self.ring, self._rechecked = "", "", Ring(()), 0
         self.urls: list[str] = []
         self.configure(utilization, max_queue, fair, preempt=preempt)
 
@@ -254,21 +254,22 @@ class ModelSlots:
         may_wait: bool,
         affinity: Sequence[str] | None = None,
         account: tuple[str, int] | None = None,
-        max_turn: int = -1,
+        max_turn: int | None = None,
         at_head: bool = False,
     ) -> Call:
         """`affinity`: take the first of these endpoints with room (prefix-cache order, a
         few: `PREFERRED`); else the least loaded. `account` (its key and limit, on one Redis
         only: the call then touches two hash tags): take the account's own slot first, or
         nothing (`ACCOUNT_FULL`). `max_turn`: the most grants it may wait behind to meet
-        its deadline (-1: none; more: `PAST_DEADLINE`, not queued). `at_head`: queued before
-        its tier's waiters (a preempted request's second try)."""
+        its deadline (None: no deadline; more: `PAST_DEADLINE`, not queued). `at_head`:
+        queued before its tier's waiters (a preempted request's second try)."""
         preferred = [u for u in affinity if u in self._spec] if affinity else []
         t = self._timing
         role = self._roles[tier.rank]
         packed = (
             f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
-            f"{max_turn} {int(at_head)} {int(role == 'p')} " + self._pump_spec
+            f"{'-' if max_turn is None else max_turn} {int(at_head)} {int(role == 'p')} "
+            + self._pump_spec
         )
         args = [lease_id, t.lease_ttl_ms, tier.rank, self._ceilings[1 + tier.rank],
                 self._shares[tier.rank], "v" if role == "v" else "-", len(preferred),

@@ -149,7 +149,8 @@ models:
         key = "gw:{" + model + "}:eps"
         spec = lambda: (store.hget(key, sim.url) or b"").decode()  # noqa: E731
         wait_for(lambda: spec().endswith(f" {expected}"), "the budget in the index")
-        assert spec().split() == ["4", "0.0", str(expected)]  # size penalty budget
+        # size, penalty, budget and whole budget (unadapted: the same here)
+        assert spec().split() == ["4", "0.0", str(expected), str(expected)]
     finally:
         if gateway is not None:
             gateway.stop()

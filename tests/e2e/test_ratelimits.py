@@ -31,7 +31,7 @@ RPM, TPM = 30, 100
 ACCOUNTS = ("e2e-rl-rpm", "e2e-rl-tpm", "e2e-rl-sdk", "e2e-rl-one")
 # A prompt of 4 token ids and 6 tokens asked (the worker's natural answer is longer): the
 # gateway's estimate and the worker's count agree, so a request costs 10 tokens exactly.
-TEN_TOKENS = {"model": "m1", "prompt": [1, 2, 3, 4], "max_tokens": 6}
+TEN_TOKENS = {"model": "rl", "prompt": [1, 2, 3, 4], "max_tokens": 6}
 CONCURRENCY = 16
 
 
@@ -48,8 +48,10 @@ def config(worker: procs.Proc) -> str:
     return f"""
 redis: {{url: "{REDIS_URL}"}}
 models:
-  m1:
-    endpoints: [{{url: "{worker.url}", max_concurrency: 64}}]
+  # A name of its own: the run's Redis is shared with the other modules' gateways (one of
+  # them serves m1 all along), and a model's endpoint index is written by every replica.
+  rl:
+    endpoints: [{{url: "{worker.url}", max_concurrency: 64, model: m1}}]
 keys:
   - {{sha256: "{digest(KEY_RPM)}", account: {ACCOUNTS[0]}, rpm: {RPM}}}
   - {{sha256: "{digest(KEY_TPM)}", account: {ACCOUNTS[1]}, tpm: {TPM}}}
@@ -149,7 +151,7 @@ def test_the_sdk_reads_the_headers_of_answers_streams_and_429s(
     replicas: Replicas, sdk: Sdk
 ) -> None:
     client = sdk(replicas.urls[0] + "/v1", api_key=KEY_SDK)
-    raw = client.completions.with_raw_response.create(model="m1", prompt=[1, 2, 3], max_tokens=5)
+    raw = client.completions.with_raw_response.create(model="rl", prompt=[1, 2, 3], max_tokens=5)
     assert raw.parse().usage is not None
     headers = raw.headers
     assert headers["x-ratelimit-limit-requests"] == "100"
@@ -161,14 +163,14 @@ def test_the_sdk_reads_the_headers_of_answers_streams_and_429s(
     assert headers["x-ratelimit-reset-tokens"] == "96ms"
     other = sdk(replicas.urls[1] + "/v1", api_key=KEY_SDK)
     with other.completions.with_streaming_response.create(
-        model="m1", prompt=[1, 2, 3], max_tokens=5, stream=True
+        model="rl", prompt=[1, 2, 3], max_tokens=5, stream=True
     ) as streamed:
         assert streamed.headers["x-ratelimit-remaining-requests"] == "98"
         assert sum(1 for _ in streamed.iter_lines()) > 0
     one = sdk(replicas.urls[2] + "/v1", api_key=KEY_ONE)
-    one.completions.create(model="m1", prompt=[1], max_tokens=1)
+    one.completions.create(model="rl", prompt=[1], max_tokens=1)
     with pytest.raises(openai.RateLimitError) as caught:
-        one.completions.create(model="m1", prompt=[1], max_tokens=1)
+        one.completions.create(model="rl", prompt=[1], max_tokens=1)
     refused = caught.value
     assert refused.code == "rate_limit_requests"
     assert 1 <= int(refused.response.headers["retry-after"]) <= 60

@@ -29,6 +29,7 @@ from gateway.errors import (
 from routing.errors import (
     Limited,
     LimitReason,
+    Preempted,
     RoutingError,
     TooLarge,
     Unavailable,
@@ -49,6 +50,8 @@ LIMIT_CODES = {
     LimitReason.CONCURRENCY_LIMIT: "concurrency_limit",
     LimitReason.RATE_LIMIT_REQUESTS: "rate_limit_requests",
     LimitReason.RATE_LIMIT_TOKENS: "rate_limit_tokens",
+    LimitReason.DEADLINE_UNREACHABLE: "deadline_unreachable",
+    LimitReason.PREEMPTED: "preempted",
 }
 UNAVAILABLE_CODES = {
     UnavailableReason.NO_HEALTHY_ENDPOINT: "service_unavailable",
@@ -184,6 +187,8 @@ def test_every_routing_error_is_mapped() -> None:
             exc = Unavailable("x", UnavailableReason.SHUTTING_DOWN)
         elif cls is TooLarge:
             exc = TooLarge("x", 10, 5)
+        elif cls is Preempted:
+            exc = Preempted("x", 3)
         else:
             exc = cls("x")
         assert isinstance(from_routing(exc), GatewayError), cls
@@ -228,7 +233,7 @@ def test_the_reasons_lua_mentions_are_members_of_the_enums() -> None:
     """Lua answers with statuses (routing/admission/slots.py); where it names a reason, in a reply
     or a comment, the name is one of the enums'. Reason-shaped: ends like one of them."""
     reasons = {str(r) for r in [*LimitReason, *UnavailableReason]}
-    endings = {r.rsplit("_", 1)[1] for r in reasons}
+    endings = {r.rsplit("_", 1)[1] for r in reasons if "_" in r}  # (TOKEN: two words or more)
     named = {
         token
         for script in LUA.glob("*.lua")

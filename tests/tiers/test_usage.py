@@ -17,7 +17,7 @@ SPEC_FIELDS = [
     "completion_tokens", "estimated", "status", "outcome", "duration_ms", "queue_ms",
     "ttft_ms", "cost_usd",
     # The tokens of a worker's KV-cache budget the request held (docs/usage.md).
-    "reserved_tokens",
+    "reserved_tokens", "preempted",
 ]  # fmt: skip
 
 

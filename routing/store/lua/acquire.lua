@@ -9,7 +9,7 @@
 --       waiter_ttl_ms known rebuild_ms max_turn at_head (0|1) may_preempt (0|1)" and the
 --       spec (prelude: `parse_spec`) (known: this replica has seen the model's state
 --       before, 0|1, see `lost`; max_turn: the most grants it may wait behind to meet its
---       deadline, -1 for none; at_head: a preempted request queued again before its tier's
+--       deadline, '-' for none; at_head: a preempted request queued again before its tier's
 --       waiters); with ACCOUNT, then the account's limit. The id carries its account,
 --       weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
 -- The common case reads only the first seven and the preferred: an argument costs a script
@@ -61,7 +61,7 @@ end
 local rank = tonumber(ARGV[3])
 local t = words(ARGV[8 + k])
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
-local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1'
+local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1'  -- ('-': nil)
 local claim, ceilings, fair, fracs = parse_spec(t, 9)
 if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
 steady(loads[1])
@@ -97,7 +97,7 @@ if ahead >= tonumber(max_queue) then return {-1, '', held, ahead, 0, 0, turn} en
 -- A tier that may preempt takes a slot from a flex request that has not started, rather
 -- than waiting for one to end; one whose wait would pass its deadline is not queued.
 local preempted = may_preempt and preempt(now, rank) == 1
-if not preempted and max_turn >= 0 and turn > max_turn then
+if not preempted and max_turn and turn > max_turn then
   return {-4, '', held, ahead, 0, 0, turn}
 end
 local seq = at_head and head_seq(rank) or tostring(redis.call('INCR', SEQ))

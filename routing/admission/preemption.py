@@ -1,0 +1,65 @@
+"""Preemption of flex before its first byte (docs/api.md, preemption), this replica's side.
+
+The choice is made in Redis (routing/store/lua/prelude.lua `preempt`): a newcomer of a tier
+that may preempt, about to queue, takes the lease of a flex request that has not started,
+and its holder is told on the model's wake channel ("!id endpoint"). Here: the requests of
+this replica that may still be preempted, each with a future its route waits on beside its
+worker's answer (`watch`); the message resolves it (`told`); and the check a request makes
+before its first byte goes to its caller (`Admission.start`), which answers "preempted" if
+the lease was taken first, so that a request that has started streaming is never cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from routing.admission.handback import Handback
+from routing.admission.holdings import Lease
+from routing.store.scripts import STORE_ERRORS, Call
+
+
+class Preemptions:
+    def __init__(self, handback: Handback) -> None:
+        # The same store and slots as the give-backs.
+        self.scripts, self.store, self.slots = handback.scripts, handback.store, handback.slots
+        self._watched: dict[str, asyncio.Future[None]] = {}
+
+    def watch(self, lease_id: str) -> asyncio.Future[None]:
+        """A future resolved when `lease_id`'s holder is told it was preempted."""
+        future = self._watched.get(lease_id)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._watched[lease_id] = future
+        return future
+
+    def told(self, lease_id: str) -> None:
+        """The message: `lease_id` was preempted (one of another replica's is ignored)."""
+        future = self._watched.get(lease_id)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def forget(self, lease_id: str) -> None:
+        future = self._watched.pop(lease_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    async def started(self, lease: Lease) -> bool:
+        """A preemptible request is about to send its first byte: False when its lease was
+        preempted first (it sends nothing then). Redis not answering: True (nobody can have
+        chosen it where nothing answers; a preemption it missed ends as a lost grant does)."""
+        if lease.local:
+            return True
+        call = self.slots[lease.keys].start(lease.id, lease.endpoint)
+        try:
+            reply = await asyncio.shield(self.scripts.call(self.store, call))
+        except STORE_ERRORS:
+            return True
+        return int(reply) == 1
+
+    def done(self, lease: Lease, preempted: bool) -> list[Call]:
+        """`lease` ends: no longer watched; if it was preempted, the call (for its release's
+        batch) that takes it off the list of those on their way out (prelude.lua `doomed`)."""
+        self.forget(lease.id)
+        if not preempted or lease.local:
+            return []
+        return [("ZREM", [self.slots[lease.keys].doomed_key], [lease.id])]
