@@ -333,6 +333,8 @@ def records(
     - none has two: not two in one Redis, nor two admissions (`attempt`) anywhere, nor one
       in two Redis unless the first was written within `margin_s` before it was lost;
     - none for a request refused before admission (429, 503): it never reached a worker;
+      a flex request preempted before its first byte (429 `preempted`) was admitted: it has
+      a record, and that record says `preempted`;
     - a record names one of this run's requests, and a complete 2xx says status 200."""
     found = Records()
     per_rid: dict[str, list[tuple[int, dict[str, str]]]] = defaultdict(list)
@@ -347,13 +349,16 @@ def records(
             _twice(found, rid, recs, lost_at, margin_s)
     for out in outcomes:
         rid, recs = out.spec.rid, [r for _, r in per_rid.get(out.spec.rid, [])]
-        admitted = rid in reached or (out.status is not None and out.status < 300)
+        preempted = out.status == 429 and out.code == "preempted"
+        admitted = preempted or rid in reached or (out.status is not None and out.status < 300)
         killed = out.replica.killed
         if admitted and (killed is None or killed > out.ended + margin_s):
             found.checked += 1
             if not recs:
                 found.missing.append(f"{rid}: {out.status} from {out.replica.name}, no record")
-        if out.status in (429, 503) and (recs or rid in reached):
+        if preempted and recs and not any(r.get("preempted") in ("1", "true") for r in recs):
+            found.unexpected.append(f"{rid}: preempted, yet no record says so")
+        if not preempted and out.status in (429, 503) and (recs or rid in reached):
             found.unexpected.append(f"{rid}: refused {out.status} {out.code} yet admitted/billed")
         if out.completed and recs and recs[0].get("status") != "200":
             found.unexpected.append(f"{rid}: completed 2xx, record says {recs[0].get('status')}")
