@@ -48,6 +48,8 @@ class Handback:
         self.spool = spool
         # Records a master took, to send again if the store moves to another (Sentinel).
         self.recent = Recent() if store.moves is not None else None
+        if spool is not None:
+            spool.recent = self.recent  # so do those its rounds send
         self._first_sends = FirstSends()
         self._retry = retry
         # Calls on their way that close() waits for (releases, give-backs, late replies).
@@ -92,7 +94,8 @@ class Handback:
         sent = self.scripts.send(self.store, calls)
         self._releasing[released] = usage
         released.add_done_callback(self._releasing.pop)
-        sent.add_done_callback(partial(self._released, lease, usage, released, held))
+        moves = self.store.moves
+        sent.add_done_callback(partial(self._released, lease, usage, released, (held, moves)))
         return released
 
     def _released(
@@ -100,10 +103,12 @@ class Handback:
         lease: Lease,
         usage: Mapping[str, str] | None,
         released: asyncio.Future[None],
-        count: int,
+        sent_when: tuple[int, int | None],
         sent: asyncio.Future[list[Any]],
     ) -> None:
-        """`count`: the replies of the slot's release, first in the batch."""
+        """`sent_when`: the replies of the slot's release, first in the batch, and the
+        store's moves to another master when the calls left."""
+        count, moves = sent_when
         failed = None if sent.cancelled() else sent.exception()
         replies = None if sent.cancelled() or failed else sent.result()
         held = None if replies is None else replies[:count]
@@ -121,6 +126,8 @@ class Handback:
                 self.store_errors.report(replies[-1], "usage record")
         elif usage is not None and self.recent is not None:
             self.recent.took(usage)
+            if self.store.moves != moves:  # taken by a master left meanwhile: perhaps lost,
+                self._spool(usage)  # and perhaps after the recent ones were sent again
         if not released.done():
             released.set_result(None)
 

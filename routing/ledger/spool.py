@@ -22,6 +22,7 @@ from typing import BinaryIO
 import orjson
 
 from routing.ledger import spoolfile
+from routing.ledger.recent import Recent
 from routing.ledger.records import (
     Send,
     StreamStats,
@@ -84,6 +85,9 @@ class UsageSpool:
         self._paths: SpoolPaths | None = None
         self._lock_fd: int | None = None
         self._busy = asyncio.Lock()  # one pass at a time rewrites the files
+        # The records Redis took lately, for a store that can move to another master: the
+        # admission's (routing/ledger/recent.py), which the records sent from here join.
+        self.recent: Recent | None = None
 
     @property
     def paths(self) -> SpoolPaths:
@@ -220,7 +224,12 @@ class UsageSpool:
         replies = await send([self.record(fields) for _, fields in records])
         del done.kept[len(done.kept) - len(records) :]
         pairs = zip(records, replies, strict=True)
-        refused = [line for (line, _), reply in pairs if isinstance(reply, BaseException)]
+        refused: list[bytes] = []
+        for (line, fields), reply in pairs:
+            if isinstance(reply, BaseException):
+                refused.append(line)
+            elif self.recent is not None:
+                self.recent.took(fields)
         done.kept += refused
         done.sent += len(records) - len(refused)
         done.dropped += len(records) - len(refused)

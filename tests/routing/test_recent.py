@@ -118,3 +118,36 @@ def test_recent_keeps_only_the_last_seconds_and_a_bounded_number() -> None:
 def test_a_store_that_cannot_move_keeps_no_records() -> None:
     store = RespClient("redis://127.0.0.1:1/0")
     assert store.moves is None
+
+
+async def test_records_sent_from_the_spool_are_kept_as_recent_too(
+    two: tuple[RedisServer, RedisServer], moving: tuple[Admission, Locator]
+) -> None:
+    adm, _ = moving
+    spool, recent = adm.ledger.spool, adm.handback.recent
+    assert spool is not None and recent is not None
+    ts = datetime.now(UTC).isoformat()
+    spool.add({"request_id": "spooled", "account": "acct", "status": "200", "ts": ts})
+    assert "spooled" not in [r["request_id"] for r in recent.lately()]
+    keeper = Keeper(adm, aioredis.Redis(port=two[0].port))
+    await asyncio.wait_for(keeper._tend_spool(), 5)
+    assert records_on(two[0]) == ["spooled"]
+    # The old master took it from the spool: a move now sends it again, as a release's.
+    assert [r["request_id"] for r in recent.lately()] == ["spooled"]
+
+
+async def test_a_release_answered_after_a_move_spools_its_record_again(
+    moving: tuple[Admission, Locator],
+) -> None:
+    adm, _ = moving
+    spool = adm.ledger.spool
+    assert spool is not None and adm.store.moves == 0
+    plan = plan_candidates("m", None, fail_fast=True, registry=REGISTRY, allowed=None)
+    admitted = await asyncio.wait_for(adm.admit(plan, "acct", 10), 5)
+    record = {"request_id": "late", "account": "acct", "status": "200"}
+    released = adm.release(admitted.lease, record)
+    # The store moves while the answer is on its way: the keeper may already have sent the
+    # recent records again, so this one, taken by the old master, is spooled once more.
+    adm.store.moves = 1
+    await asyncio.wait_for(released, 5)
+    assert spool.pending()
