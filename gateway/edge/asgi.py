@@ -167,7 +167,7 @@ def error_parts(
     else:
         body = orjson.dumps(exc.envelope())
     headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    if exc.status in _NO_RETRY:
+    if exc.status in _NO_RETRY and "x-should-retry" not in exc.headers:  # said once only
         headers.append((b"x-should-retry", b"false"))
     headers.append((b"x-request-id", rid.encode("latin-1")))
     headers.extend(extra)

@@ -22,7 +22,9 @@ from gateway.edge.asgi import (
 )
 from gateway.errors import (
     AuthenticationFailed,
+    ContextTooLarge,
     GatewayError,
+    HeaderInvalid,
     ModelNotFound,
     PayloadTooLarge,
     RateLimited,
@@ -270,6 +272,19 @@ def test_request_id_always_present(exc: GatewayError) -> None:
 def test_should_retry_only_on_hopeless_4xx(exc: GatewayError, no_retry: bool) -> None:
     _, _, headers = error_parts(exc, "r")
     assert (b"x-should-retry" in header_dict(headers)) is no_retry
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        HeaderInvalid("x-request-timeout: bad", headers={"x-should-retry": "false"}),
+        ContextTooLarge("too large", param="max_tokens", headers={"x-should-retry": "false"}),
+    ],
+)
+def test_should_retry_said_once_when_the_error_says_it_too(exc: GatewayError) -> None:
+    # Two `x-should-retry: false` read as "false, false": no longer what the SDK looks for.
+    _, _, headers = error_parts(exc, "r")
+    assert [v for k, v in headers if k == b"x-should-retry"] == [b"false"]
 
 
 async def test_send_error_sends_json_with_length() -> None:
