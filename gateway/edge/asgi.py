@@ -67,6 +67,8 @@ def read_headers(scope: Scope) -> RequestHeaders:
                 text = f"{found.tracestate},{text}"  # W3C: repeated headers are one list
             elif attr == "traceparent" and found.traceparent is not None:
                 text = ""  # W3C: two traceparents are no trace context (dropped)
+            elif attr == "request_timeout" and found.request_timeout is not None:
+                text = f"{found.request_timeout},{text}"  # two deadlines: none is meant (400)
             setattr(found, attr, text)
     return found
 

@@ -4,12 +4,16 @@ admission estimates longer is refused at once; a queued request leaves when it p
 from __future__ import annotations
 
 import math
+import re
 
 from gateway.errors import HeaderInvalid
 
 HEADER = "x-request-timeout"
 # Past a day a deadline says nothing a tier's own queue timeout does not.
 MAX_S = 86_400.0
+# A decimal number as a caller writes one: ASCII digits, an optional fraction and exponent
+# (float() alone also takes "1_000", "inf" and digits of other scripts).
+_NUMBER = re.compile(r"\+?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def request_deadline(value: str | None) -> float | None:
@@ -17,10 +21,8 @@ def request_deadline(value: str | None) -> float | None:
     one is a 400 naming the header (the caller meant something: never silently dropped)."""
     if value is None:
         return None
-    try:
-        seconds = float(value.strip())
-    except ValueError:
-        seconds = math.nan
+    text = value.strip(" \t")
+    seconds = float(text) if _NUMBER.fullmatch(text) else math.nan
     if not (0.0 < seconds < math.inf):
         raise HeaderInvalid(
             f"{HEADER}: must be a number of seconds greater than 0, got {value[:32]!r}.",

@@ -124,6 +124,13 @@ def test_read_headers_picks_the_wanted_ones() -> None:
     assert found.x_api_key is None
 
 
+def test_a_repeated_request_timeout_is_kept_whole() -> None:
+    # Two deadlines are no deadline the caller meant: joined, they are refused (a 400),
+    # never the last one taken silently.
+    scope = {"headers": [(b"x-request-timeout", b"abc"), (b"x-request-timeout", b"5")]}
+    assert read_headers(scope).request_timeout == "abc,5"
+
+
 # --- read_body -----------------------------------------------------------------------------
 
 
