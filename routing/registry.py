@@ -9,14 +9,56 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, HttpUrl, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from tiers.policy import Tier
 
 # Model names travel in URLs, Redis keys and metric labels: keep them plain.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/\-]{0,255}$"
+
+
+def _not_bool(value: Any) -> Any:
+    """YAML's true/yes/on are booleans, which pydantic would take as the number 1: a count
+    or limit given one (`rpm: yes`) was meant otherwise, never as 1."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("not_bool", "must be a number, not true or false")
+    return value
+
+
+# A number of the config, never a boolean (strings still convert: `${ENV}` expands to one).
+NotBool = BeforeValidator(_not_bool)
+MAX_TOKEN_BUDGET = 1_000_000_000
+
+
+def _token_budget(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`max_tokens_in_flight`: one message naming both forms, not one per form of the union."""
+    try:
+        return handler(_not_bool(value))
+    except (ValidationError, PydanticCustomError):
+        raise PydanticCustomError(
+            "token_budget",
+            f"must be a whole number of tokens from 1 to {MAX_TOKEN_BUDGET}, or auto",
+        ) from None
+
+
+TokenBudget = Annotated[
+    Annotated[int, Field(ge=1, le=MAX_TOKEN_BUDGET)] | Literal["auto"],
+    WrapValidator(_token_budget),
+]
 
 
 class EndpointConfig(BaseModel):
@@ -33,9 +75,7 @@ class EndpointConfig(BaseModel):
     # The worker's KV cache in tokens: admission holds the requests' reservations (prompt
     # estimate + output cap) on it to this; `auto`: read from the worker's /metrics
     # (vLLM's `vllm:cache_config_info`, num_gpu_blocks x block_size). Absent: no budget.
-    max_tokens_in_flight: Annotated[int, Field(ge=1, le=1_000_000_000)] | Literal["auto"] | None = (
-        None
-    )
+    max_tokens_in_flight: TokenBudget | None = None
 
     @field_validator("api_key")
     @classmethod
@@ -56,9 +96,9 @@ class AdaptiveConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = False
-    min_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    waiting_threshold: int = Field(1, ge=1, le=1_000_000)
-    kv_threshold: float = Field(0.95, gt=0.0, le=1.0)
+    min_fraction: Annotated[float, NotBool] = Field(0.5, gt=0.0, le=1.0)
+    waiting_threshold: Annotated[int, NotBool] = Field(1, ge=1, le=1_000_000)
+    kv_threshold: Annotated[float, NotBool] = Field(0.95, gt=0.0, le=1.0)
 
 
 class PriceConfig(BaseModel):
@@ -79,10 +119,10 @@ class ModelConfig(BaseModel):
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
     # Hash tags the endpoints are split over (routing/admission/partitions.py): one hot
     # model's admissions spread over that many Redis Cluster masters.
-    partitions: int = Field(1, ge=1, le=64)
+    partitions: Annotated[int, NotBool] = Field(1, ge=1, le=64)
     # What a request that names no max_tokens reserves for its answer on a token budget;
     # also the most any request reserves for it (its max_tokens above this is not reserved).
-    max_tokens_default: int = Field(1024, ge=1, le=10_000_000)
+    max_tokens_default: Annotated[int, NotBool] = Field(1024, ge=1, le=10_000_000)
     adaptive: AdaptiveConfig = AdaptiveConfig()
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class Tier(StrEnum):
@@ -102,6 +103,14 @@ class TiersConfig(BaseModel):
             if isinstance(given, dict):
                 merged[name] = {**defaults, **given}
         return merged
+
+    @model_validator(mode="after")
+    def _flex_never_preempts(self) -> TiersConfig:
+        # Flex only takes spare capacity: a flex that may preempt would be ignored, silently.
+        if self.flex.may_preempt:
+            why = "flex.may_preempt: flex never preempts (it takes spare capacity only)"
+            raise PydanticCustomError("flex_preempts", why)
+        return self
 
     def policy(self, tier: Tier) -> TierPolicy:
         policy: TierPolicy = getattr(self, tier.value)

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -21,7 +21,7 @@ from redis.asyncio.connection import parse_url
 from routing.hop.health import HealthSettings
 from routing.hop.upstream import UpstreamSettings
 from routing.ledger.records import UsageSettings
-from routing.registry import MODEL_NAME_PATTERN, ModelConfig
+from routing.registry import MODEL_NAME_PATTERN, ModelConfig, NotBool
 from routing.store import sentinel
 from tiers.policy import Tier, TiersConfig
 
@@ -97,8 +97,8 @@ class KeyConfig(BaseModel):
     models: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] | None = None
     # This key's own rate limits: requests and tokens (prompt + completion) per minute.
-    rpm: int | None = Field(None, ge=1, le=MAX_RPM)
-    tpm: int | None = Field(None, ge=1, le=MAX_TPM)
+    rpm: Annotated[int, NotBool] | None = Field(None, ge=1, le=MAX_RPM)
+    tpm: Annotated[int, NotBool] | None = Field(None, ge=1, le=MAX_TPM)
 
     @field_validator("sha256")
     @classmethod
@@ -112,8 +112,8 @@ class AccountConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rpm: int | None = Field(None, ge=1, le=MAX_RPM)
-    tpm: int | None = Field(None, ge=1, le=MAX_TPM)
+    rpm: Annotated[int, NotBool] | None = Field(None, ge=1, le=MAX_RPM)
+    tpm: Annotated[int, NotBool] | None = Field(None, ge=1, le=MAX_TPM)
 
 
 class GatewayConfig(BaseModel):

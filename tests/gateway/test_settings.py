@@ -393,3 +393,22 @@ def test_key_weight_defaults_to_one_and_must_be_positive() -> None:
     assert parse(config_dict(keys=[{**key, "weight": 2.5}])).keys[0].weight == 2.5
     for bad in (0, -1, "lots"):
         assert "keys.0.weight" in config_error(config_dict(keys=[{**key, "weight": bad}]))
+
+
+@pytest.mark.parametrize("where", ["keys", "accounts"])
+@pytest.mark.parametrize("limit", ["rpm", "tpm"])
+def test_rate_limits_are_whole_numbers_never_booleans(where: str, limit: str) -> None:
+    key = {"sha256": "ab" * 32, "account": "acme"}
+
+    def raw(value: Any) -> dict[str, Any]:
+        if where == "keys":
+            return config_dict(keys=[{**key, limit: value}])
+        return config_dict(keys=[key], accounts={"acme": {limit: value}})
+
+    at = f"keys.0.{limit}" if where == "keys" else f"accounts.acme.{limit}"
+    for bad in (0, -1, 1.5, "lots", True, False):
+        assert config_error(raw(bad)).startswith(f"test.yaml: {at}: ")
+    assert "not true or false" in config_error(raw(True))  # `rpm: yes` is no limit of 1
+    cfg = parse(raw("${LIMIT}"), {"LIMIT": "600"})  # from the environment: a string
+    found = cfg.keys[0] if where == "keys" else cfg.accounts["acme"]
+    assert getattr(found, limit) == 600

@@ -76,3 +76,31 @@ def test_base_url_keeps_path_without_trailing_slash() -> None:
 def test_max_concurrency_bounds(concurrency: int) -> None:
     with pytest.raises(ValueError, match="max_concurrency"):
         model_config(concurrency)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1_000_000_001, 100.5, True, False, "Auto", "AUTO", ""])
+def test_a_bad_token_budget_is_one_error_naming_both_forms(budget: Any) -> None:
+    with pytest.raises(ValueError) as caught:
+        model_config(4, endpoints=[{"url": "http://w:8000", "max_concurrency": 4,
+                                    "max_tokens_in_flight": budget}])  # fmt: skip
+    errors = [e for e in caught.value.errors() if "max_tokens_in_flight" in e["loc"]]  # type: ignore[attr-defined]
+    assert [e["loc"] for e in errors] == [("endpoints", 0, "max_tokens_in_flight")]
+    assert "or auto" in errors[0]["msg"]
+
+
+@pytest.mark.parametrize("budget", [1, 65_536, "65536", 65_536.0, "auto"])
+def test_a_token_budget_is_a_number_or_auto(budget: Any) -> None:
+    endpoint = {"url": "http://w:8000", "max_concurrency": 4, "max_tokens_in_flight": budget}
+    found = model_config(4, endpoints=[endpoint]).endpoints[0].max_tokens_in_flight
+    assert found == (budget if budget == "auto" else int(budget))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"partitions": True}, {"max_tokens_default": True}, {"adaptive": {"waiting_threshold": True}},
+     {"adaptive": {"min_fraction": True}}, {"adaptive": {"kv_threshold": True}}],
+)  # fmt: skip
+def test_a_boolean_is_no_number(fields: dict[str, Any]) -> None:
+    # YAML's `yes` would otherwise be the number 1: a budget of 1 token, one partition.
+    with pytest.raises(ValueError, match="not true or false"):
+        model_config(4, 4, **fields)

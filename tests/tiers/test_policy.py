@@ -124,3 +124,10 @@ def test_rank_is_the_place_in_the_queue_order() -> None:
     assert [t.rank for t in BY_RANK] == [0, 1, 2]
     assert min(Tier, key=lambda t: t.rank) is Tier.PRIORITY
     assert max(Tier, key=lambda t: t.rank) is Tier.FLEX
+
+
+def test_flex_may_not_preempt() -> None:
+    # Flex only takes spare capacity: `may_preempt: true` on it would be ignored, silently.
+    with pytest.raises(pydantic.ValidationError, match="flex never preempts"):
+        TiersConfig.model_validate({"flex": {"may_preempt": True}})
+    assert TiersConfig.model_validate({"default": {"may_preempt": True}}).default.may_preempt
