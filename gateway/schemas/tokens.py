@@ -22,8 +22,10 @@ PER_MEDIA = 1024
 
 def prompt_tokens(request: GatewayRequest) -> int:
     if isinstance(request, CompletionRequest):
-        prompt = request.prompt
-        return len(prompt) if isinstance(prompt, list) else _text(prompt)
+        prompt, data = request.prompt, request.data
+        text = len(prompt) if isinstance(prompt, list) else _text(prompt)
+        # Its images and videos (`data`): each what an encoder adds, as a chat's media parts.
+        return text + (PER_MEDIA * (len(data.image) + len(data.video)) if data else 0)
     if isinstance(request, ChatRequest):
         total = 0
         for message in request.messages:

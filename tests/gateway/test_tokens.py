@@ -1,0 +1,53 @@
+"""A request's token estimate from its body (gateway/schemas/tokens.py): what it reserves of
+a worker's KV cache and charges a tokens limit before any worker counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.schemas.chat import ChatRequest
+from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.tokens import PER_MEDIA, PER_MESSAGE, output_tokens, prompt_tokens
+
+IMAGE = "data:image/png;base64,AAAA"
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+
+
+def chat(*content: Any, **fields: Any) -> ChatRequest:
+    messages = [{"role": "user", "content": c} for c in content]
+    return ChatRequest.model_validate({"model": "m", "messages": messages, **fields})
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [("", 0), ("abcd", 1), ("abcde", 2), ("\U0001f600", 1), (["one"], 1), ([7, 8, 9], 3)],
+)
+def test_a_completions_prompt(prompt: Any, tokens: int) -> None:
+    assert prompt_tokens(completion(prompt=prompt)) == tokens
+
+
+def test_a_completions_images_and_videos_count_as_media() -> None:
+    # Multi-modal completions carry their media in `data`: each holds as much of the cache
+    # as a chat's image part does, whatever the size of its base64.
+    request = completion(prompt="abcd", data={"image": [IMAGE, IMAGE], "video": [IMAGE]})
+    assert prompt_tokens(request) == 1 + 3 * PER_MEDIA
+    assert prompt_tokens(completion(prompt="abcd", data={})) == 1
+
+
+def test_a_chat_counts_its_messages_and_media() -> None:
+    parts = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": IMAGE}}]
+    assert prompt_tokens(chat("abcd", parts)) == 2 * PER_MESSAGE + 1 + 1 + PER_MEDIA
+
+
+@pytest.mark.parametrize(
+    ("fields", "asked"),
+    [({}, None), ({"max_tokens": 7}, 7), ({"max_completion_tokens": 9}, 9),
+     ({"max_completion_tokens": True}, None), ({"max_tokens": 3, "max_completion_tokens": 9}, 3)],
+)  # fmt: skip
+def test_the_answer_asked_for(fields: dict[str, Any], asked: int | None) -> None:
+    assert output_tokens(chat("x", **fields)) == asked
