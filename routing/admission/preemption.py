@@ -65,12 +65,20 @@ class Preemptions:
         return True
 
     def done(self, lease: Lease, preempted: bool) -> list[Call]:
-        """`lease` ends: no longer watched; if it was preempted (or may have been chosen
-        after it started, unseen), the call (for its release's batch) that takes it off the
-        list of those on their way out (prelude.lua `doomed`)."""
+        """`lease` ends: no longer watched. The calls for its release's batch: one that
+        ended before its first byte is no longer offered (`pre`: else it stayed there two
+        lease TTLs, or for good once no tier may preempt); one preempted, or perhaps
+        chosen unseen, leaves the list of those on their way out (`doomed`)."""
+        unstarted = lease.id in self._watched  # watched until it starts
         self.forget(lease.id)
         unsure = lease.id in self._unsure
         self._unsure.discard(lease.id)
-        if not (preempted or unsure) or lease.local:
+        if lease.local:
             return []
-        return [("ZREM", [self.slots[lease.keys].doomed_key], [lease.id])]
+        slots = self.slots[lease.keys]
+        calls: list[Call] = []
+        if unstarted:
+            calls.append(("ZREM", [slots.pre_key], [f"{lease.id} {lease.endpoint}"]))
+        if preempted or unsure or unstarted:
+            calls.append(("ZREM", [slots.doomed_key], [lease.id]))
+        return calls

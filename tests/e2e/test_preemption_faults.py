@@ -9,6 +9,8 @@ processes); the bounds are the guarantees under test plus slack.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +106,11 @@ async def priority(url: str, rid: str) -> httpx.Response:
         return await client.post("/v1/completions", json=payload, headers=headers(rid))
 
 
+async def fault(fleet: Fleet, kind: str | None) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        await client.post(fleet.worker.url + "/sim/fault", json={"fault": kind})
+
+
 async def _ready(url: str) -> bool:
     return (await get(url + "/readyz")).status_code == 200
 
@@ -158,3 +165,51 @@ async def _clean(fleet: Fleet) -> bool:
     left = await leftovers(fleet.redis.url, ("p",))
     doomed = await zcard(fleet, "gw:{p}:doomed") + await zcard(fleet, "gw:{p}:pre")
     return not left and not doomed
+
+
+async def test_a_flex_request_that_ends_before_its_first_byte_leaves_no_mark(
+    fleet: Fleet,
+) -> None:
+    """A flex lease is offered to preemption (`pre`) until its request starts; one that
+    ends before that (its worker failed, its caller hung up during the TTFT) must not stay
+    offered: its release takes it off, as it does its slot (the sweep's cleanup after two
+    lease TTLs is only for holders that died, and stops altogether once a reload leaves no
+    tier that may preempt)."""
+    a = fleet.replicas[0].url
+    await fault(fleet, "error500")
+    try:
+        failed = await asyncio.wait_for(flex_stream(a, f"pf-{RUN}-500", asyncio.Event()), 30)
+    except AssertionError:
+        failed = b"refused"
+    finally:
+        await fault(fleet, None)
+    assert failed == b"refused"
+    await until(lambda: _clean(fleet), "the failed request's marks to go", SLACK_S)
+    gone = asyncio.ensure_future(flex_stream(a, f"pf-{RUN}-gone", asyncio.Event()))
+    await until(lambda: _pre(fleet), "the flex lease to be preemptible", SLACK_S)
+    gone.cancel()  # the caller hangs up during its TTFT
+    with contextlib.suppress(asyncio.CancelledError):
+        await gone
+    await until(lambda: _clean(fleet), "the hung-up request's marks to go", SLACK_S)
+
+
+async def test_the_slot_of_a_doomed_lease_whose_replica_died_goes_to_the_newcomer(
+    fleet: Fleet,
+) -> None:
+    """The replica holding a flex lease not begun is killed -9; a priority request then
+    chooses that lease (nobody is left to give it back): it is served once the lease is
+    reclaimed at its expiry, and neither `doomed` nor `pre` keeps anything after."""
+    a, b = fleet.replicas
+    flex = asyncio.ensure_future(flex_stream(a.url, f"pf-{RUN}-dead", asyncio.Event()))
+    try:
+        await until(lambda: _pre(fleet), "the flex lease to be preemptible", SLACK_S)
+        a.stop(signal.SIGKILL)
+        with contextlib.suppress(httpx.HTTPError):
+            await flex
+        answer = await priority(b.url, f"pf-{RUN}-vip-dead")
+        assert answer.status_code == 200, answer.text
+        assert worker_load(fleet.worker)["sim:peak_requests_running"] <= 1
+        await until(lambda: _clean(fleet), "Redis to hold nothing", LEASE_TTL_S + SLACK_S)
+    finally:
+        flex.cancel()
+        a.start()

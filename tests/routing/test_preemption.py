@@ -157,3 +157,17 @@ async def test_a_request_that_began_where_redis_was_down_is_never_cut_by_a_late_
     assert not told.done()
     assert preemptions.done(lease, preempted=False) == [("ZREM", [slots.doomed_key], [lease.id])]
     assert preemptions.done(lease, preempted=False) == []  # once
+
+
+async def test_a_request_that_ends_before_its_first_byte_is_no_longer_offered() -> None:
+    """Its release takes it off `pre` (and `doomed`, should it have been chosen unseen):
+    the sweep's cleanup is for holders that died, and stops when no tier may preempt."""
+    slots = preemptible()
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    preemptions.watch(lease.id)
+    assert preemptions.done(lease, preempted=False) == [
+        ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),
+        ("ZREM", [slots.doomed_key], [lease.id]),
+    ]
