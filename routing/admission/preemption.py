@@ -23,6 +23,8 @@ class Preemptions:
         # The same store and slots as the give-backs.
         self.scripts, self.store, self.slots = handback.scripts, handback.store, handback.slots
         self._watched: dict[str, asyncio.Future[None]] = {}
+        # Leases whose check before their first byte Redis did not answer.
+        self._unsure: set[str] = set()
 
     def watch(self, lease_id: str) -> asyncio.Future[None]:
         """A future resolved when `lease_id`'s holder is told it was preempted."""
@@ -46,20 +48,37 @@ class Preemptions:
     async def started(self, lease: Lease) -> bool:
         """A preemptible request is about to send its first byte: False when its lease was
         preempted first (it sends nothing then). Redis not answering: True (nobody can have
-        chosen it where nothing answers; a preemption it missed ends as a lost grant does)."""
+        chosen it where nothing answers). From then on it is never cut: a message for it
+        (a choice made where its start was not seen, e.g. by a Redis that came back with
+        its state) is ignored, and its release clears the mark such a choice left."""
         if lease.local:
             return True
         call = self.slots[lease.keys].start(lease.id, lease.endpoint)
         try:
             reply = await asyncio.shield(self.scripts.call(self.store, call))
         except STORE_ERRORS:
-            return True
-        return int(reply) == 1
+            self._unsure.add(lease.id)
+        else:
+            if int(reply) != 1:
+                return False
+        self._watched.pop(lease.id, None)  # unresolved: its route waits for its hop alone
+        return True
 
     def done(self, lease: Lease, preempted: bool) -> list[Call]:
-        """`lease` ends: no longer watched; if it was preempted, the call (for its release's
-        batch) that takes it off the list of those on their way out (prelude.lua `doomed`)."""
+        """`lease` ends: no longer watched. The calls for its release's batch: one that
+        ended before its first byte is no longer offered (`pre`: else it stayed there two
+        lease TTLs, or for good once no tier may preempt); one preempted, or perhaps
+        chosen unseen, leaves the list of those on their way out (`doomed`)."""
+        unstarted = lease.id in self._watched  # watched until it starts
         self.forget(lease.id)
-        if not preempted or lease.local:
+        unsure = lease.id in self._unsure
+        self._unsure.discard(lease.id)
+        if lease.local:
             return []
-        return [("ZREM", [self.slots[lease.keys].doomed_key], [lease.id])]
+        slots = self.slots[lease.keys]
+        calls: list[Call] = []
+        if unstarted:
+            calls.append(("ZREM", [slots.pre_key], [f"{lease.id} {lease.endpoint}"]))
+        if preempted or unsure or unstarted:
+            calls.append(("ZREM", [slots.doomed_key], [lease.id]))
+        return calls

@@ -112,10 +112,10 @@ class ModelSlots:
         # it makes (routing/store/lua/prelude.lua).
         self._key = self.keys if declare_all else self.keys[:1]
         # Where grants are announced; the tokens each endpoint's leases reserve (prelude.lua
-        # `ep_tok`), read for metrics; the preempted leases not given back yet (`doomed`).
-        self.channel, self.reserved_key, self.doomed_key = (
-            tag + "wake", tag + "ep_tok", tag + "doomed"
-        )  # fmt: skip
+        # `ep_tok`), read for metrics; the leases offered to preemption (`pre`) and the
+        # preempted ones not given back yet (`doomed`).
+        self.channel, self.reserved_key = tag + "wake", tag + "ep_tok"
+        self.pre_key, self.doomed_key = tag + "pre", tag + "doomed"
         self._timing = timing
         # Whether this replica has seen the model's state in Redis (a sweep answered: if it
         # is gone later, Redis lost it, prelude.lua `lost`); the waiters per tier the last

@@ -6,11 +6,15 @@ request may queue again at the head of flex."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from routing.admission.holdings import Lease
+from routing.admission.preemption import Preemptions
 from routing.admission.replies import Attempt, attempt
 from routing.admission.slots import GRANTED, PAST_DEADLINE, QUEUED, ModelSlots, make_lease_id
 from routing.store.wire import text
@@ -130,3 +134,40 @@ async def test_a_preempted_request_queues_again_at_the_head_of_flex(
     again = m.slots.acquire(lid("back"), Tier.FLEX, may_wait=True, at_head=True)
     assert (await attempt_of(m, again)).status == QUEUED
     assert await m.queue() == [lid("back"), *waiting]
+
+
+class _Down:
+    """Scripts whose every call finds Redis down (routing/store/scripts.py `call`)."""
+
+    async def call(self, store: Any, call: Any) -> Any:
+        raise RedisConnectionError("connection refused")
+
+
+async def test_a_request_that_began_where_redis_was_down_is_never_cut_by_a_late_message() -> None:
+    """Its check before its first byte got no answer, so it began (nobody could have chosen
+    it where nothing answers). A Redis that comes back with its state may still offer it:
+    a message choosing it then is not heeded, and its release clears the mark it left."""
+    slots = preemptible()
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    told = preemptions.watch(lease.id)
+    assert await preemptions.started(lease)
+    preemptions.told(lease.id)  # chosen after it began
+    assert not told.done()
+    assert preemptions.done(lease, preempted=False) == [("ZREM", [slots.doomed_key], [lease.id])]
+    assert preemptions.done(lease, preempted=False) == []  # once
+
+
+async def test_a_request_that_ends_before_its_first_byte_is_no_longer_offered() -> None:
+    """Its release takes it off `pre` (and `doomed`, should it have been chosen unseen):
+    the sweep's cleanup is for holders that died, and stops when no tier may preempt."""
+    slots = preemptible()
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    preemptions.watch(lease.id)
+    assert preemptions.done(lease, preempted=False) == [
+        ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),
+        ("ZREM", [slots.doomed_key], [lease.id]),
+    ]
