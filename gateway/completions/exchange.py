@@ -14,6 +14,8 @@ from typing import Any
 from gateway.edge.access import AccessNote
 from gateway.runtime.auth import Account
 from gateway.schemas.common import GatewayRequest
+from gateway.schemas.tokens import output_tokens, prompt_tokens
+from routing.admission.tokens import TokenAsk
 from tiers.policy import Tier
 
 
@@ -34,6 +36,12 @@ class Parsed:
     # How long the caller waits (x-request-timeout, gateway/edge/deadline.py): None for
     # as long as its tier's queue timeout.
     deadline_s: float | None = None
+
+    def tokens(self) -> TokenAsk:
+        """What it will hold of a worker's KV cache (gateway/schemas/tokens.py): its prompt's
+        estimate, its answer's length and how many answers (`n`)."""
+        request = self.request
+        return TokenAsk(prompt_tokens(request), output_tokens(request), request.n)
 
 
 @dataclass(slots=True)

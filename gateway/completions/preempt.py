@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 from gateway.completions.exchange import Exchange, Parsed, Usage
 from gateway.runtime.state import GatewayState
-from gateway.schemas.tokens import output_tokens, prompt_tokens
 from routing.admission.admit import Admission, Admitted
 from routing.admission.plan import Candidate
-from routing.admission.tokens import TokenAsk
 from routing.errors import Preempted, RoutingError
 from tiers.policy import Tier
 
@@ -65,22 +65,39 @@ async def requeued(
 ) -> Admitted | None:
     """The preempted request's second admission, at the head of the flex queue of the same
     model, where `tiers.flex.on_preempt` says so; None to answer it 429 `preempted` (or
-    when the second admission is refused: it is answered as preempted all the same)."""
-    outcome = "requeued" if state.config.tiers.flex.on_preempt == "requeue" else "rejected"
+    when the second admission is refused, or its caller's deadline has passed: it is
+    answered as preempted all the same).
+
+    Its wait for the second slot is bounded by what is left of its deadline, not by the
+    whole of it again. Its rate limits are not charged again (one request of its caller),
+    but what its answer uses is: the first release trued the charge up to the preempted
+    record's tokens, so the second admission holds a charge of none, trued up at its own
+    release to what it used (the limits count what the usage records bill)."""
+    left = time_left(parsed)
+    requeue = state.config.tiers.flex.on_preempt == "requeue" and (left is None or left > 0)
     model = admitted.candidate.model
-    state.metrics.preemptions.labels(model.name, outcome).inc()
-    if outcome == "rejected":
+    state.metrics.preemptions.labels(model.name, "requeued" if requeue else "rejected").inc()
+    if not requeue:
         return None
     again = Candidate(model, index=admitted.candidate.index, may_wait=True, tier=Tier.FLEX)
-    account, request = parsed.account, parsed.request
-    tokens = TokenAsk(prompt_tokens(request), output_tokens(request))
+    account = parsed.account
+    tokens = parsed.tokens()
     try:
         second = await state.admission.admit(
             [again], account.name, account.max_concurrency, None, account.weight,
-            tokens=tokens, deadline_s=parsed.deadline_s, at_head=True,
+            tokens=tokens, deadline_s=left, at_head=True,
         )  # fmt: skip
     except RoutingError:
         return None
+    if admitted.rate is not None:
+        second.rate = dataclasses.replace(admitted.rate, tokens=0)
     exchange.status, exchange.usage, exchange.first_byte = 200, Usage(), None
     exchange.preempted = False
     return second
+
+
+def time_left(parsed: Parsed) -> float | None:
+    """What is left of the caller's deadline (x-request-timeout), None without one."""
+    if parsed.deadline_s is None:
+        return None
+    return parsed.deadline_s - (time.perf_counter() - parsed.started)

@@ -46,11 +46,9 @@ from gateway.ratelimits import Headers, quota_headers
 from gateway.runtime.auth import Account, key_from_headers
 from gateway.runtime.state import GatewayState
 from gateway.schemas.common import GatewayRequest
-from gateway.schemas.tokens import output_tokens, prompt_tokens
 from routing.admission.admit import Admitted
 from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
-from routing.admission.tokens import TokenAsk
 from routing.errors import Limited, Preempted, RoutingError, UnavailableReason
 from routing.quotas import Quotas
 from tiers.resolve import requested_tier
@@ -201,7 +199,7 @@ class CompletionRoute:
         salt = getattr(request, "cache_salt", None) if self._salted else None
         cache_key = affinity_key(request.prompt_cache_key, salt)
         rates = account.rates
-        tokens = TokenAsk(prompt_tokens(request), output_tokens(request))
+        tokens = parsed.tokens()
         admitted = await self._state.admission.admit(
             candidates, account.name, account.max_concurrency, cache_key, account.weight,
             tokens=tokens, rates=rates, deadline_s=parsed.deadline_s,

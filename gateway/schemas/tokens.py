@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.schemas.chat import ChatRequest, ImageUrlPart, OtherPart, TextPart
+import orjson
+
+from gateway.schemas.chat import ChatRequest, FunctionTool, ImageUrlPart, OtherPart, TextPart
 from gateway.schemas.common import GatewayRequest
 from gateway.schemas.completions import CompletionRequest
 
@@ -32,7 +34,8 @@ def prompt_tokens(request: GatewayRequest) -> int:
             total += PER_MESSAGE + _content(message.content)
             for call in getattr(message, "tool_calls", None) or ():
                 total += _text(call.function.name) + _text(call.function.arguments)
-        return total
+        # The tools offered: the chat template writes their definitions into the prompt.
+        return total + _tools(request.tools)
     return 0
 
 
@@ -60,6 +63,12 @@ def _content(content: Any) -> int:
         elif isinstance(part, ImageUrlPart | OtherPart):
             total += PER_MEDIA
     return total
+
+
+def _tools(tools: list[FunctionTool] | None) -> int:
+    if not tools:
+        return 0
+    return -(-len(orjson.dumps([t.model_dump(mode="json") for t in tools])) // BYTES_PER_TOKEN)
 
 
 def _text(text: str) -> int:

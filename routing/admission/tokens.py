@@ -15,17 +15,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TokenAsk:
-    """A request's prompt, estimated in tokens, and the answer it asked for (None: it named
-    no max_tokens)."""
+    """A request's prompt, estimated in tokens, the answer it asked for (None: it named no
+    max_tokens), and how many answers (`n`: each its own sequence in the worker's cache,
+    beside the one prompt they share)."""
 
     prompt: int
     output: int | None = None
+    sequences: int = 1
 
     def reservation(self, cap: int) -> int:
-        """Its prompt and its answer, the answer at most the model's `max_tokens_default`
+        """Its prompt and its answers, each at most the model's `max_tokens_default`
         (`cap`), which is also what one that named none reserves."""
         output = cap if self.output is None else min(self.output, cap)
-        return self.prompt + output
+        return self.prompt + self.sequences * output
 
 
 def reservation(

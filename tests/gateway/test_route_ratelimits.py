@@ -96,6 +96,15 @@ async def test_the_release_trues_the_tokens_up_to_the_usage() -> None:
     assert limits_of(again)["remaining-tokens"] == "97"  # 500 - 2 used - 401 reserved
 
 
+async def test_each_of_n_answers_is_charged_its_tokens() -> None:
+    app, _ = make_app()
+    # Reserved: its prompt (1) and two answers of 200 each (n = 2), not one.
+    body = {"model": "m1", "prompt": "x", "max_tokens": 200, "n": 2}
+    first = await post(app, body, key=TOKENS_ONLY)
+    assert first.status_code == 200
+    assert limits_of(first)["remaining-tokens"] == "99"
+
+
 async def test_a_request_larger_than_the_tokens_limit_is_told_it_never_fits() -> None:
     app, upstream = make_app()
     resp = await post(app, {"model": "m1", "prompt": "x", "max_tokens": 600}, key=TOKENS_ONLY)

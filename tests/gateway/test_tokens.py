@@ -51,3 +51,13 @@ def test_a_chat_counts_its_messages_and_media() -> None:
 )  # fmt: skip
 def test_the_answer_asked_for(fields: dict[str, Any], asked: int | None) -> None:
     assert output_tokens(chat("x", **fields)) == asked
+
+
+def test_a_chats_tools_count_as_the_prompt_they_become() -> None:
+    # The chat template writes the tools' definitions into the prompt: a large schema holds
+    # as much of the cache as the same bytes of text would.
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
+    bare, offered = prompt_tokens(chat("abcd")), prompt_tokens(chat("abcd", tools=tools))
+    assert offered - bare >= len(str(schema)) // 8  # compact JSON, over 4, and then some
+    assert prompt_tokens(chat("abcd", tools=[])) == bare

@@ -109,3 +109,10 @@ async def test_a_model_without_budgets_reserves_nothing(admission: Admission) ->
     assert admitted.lease.tokens == 0
     assert "~" in admitted.lease.id and admitted.lease.id.count("~") == 2  # no tokens in it
     await admission.release(admitted.lease)
+
+
+def test_each_of_n_answers_reserves_its_own_sequence_beside_one_prompt() -> None:
+    # n answers share the prompt's blocks (one prefill), each holds its own answer's.
+    assert TokenAsk(prompt=100, output=50, sequences=3).reservation(1024) == 100 + 3 * 50
+    assert TokenAsk(prompt=100, output=None, sequences=2).reservation(64) == 100 + 2 * 64
+    assert TokenAsk(prompt=100, output=5000, sequences=4).reservation(64) == 100 + 4 * 64
