@@ -267,10 +267,12 @@ class Health:
 
     async def _get(self, url: str) -> tuple[int, str | None]:
         """Status and body, the whole body read (an answer that breaks off is a failure);
-        None for a body larger than MAX_BODY_BYTES (not read further)."""
+        None for a body larger than MAX_BODY_BYTES (not read further). The whole of it
+        within `timeout_s`: a worker that trickles its answer fails the probe, and holds
+        up no round (TimeoutError)."""
         assert self._session is not None
         get = self._session.get(url, timeout=self._timeout, allow_redirects=False)
-        async with get as response:
+        async with asyncio.timeout(self.settings.timeout_s), get as response:
             body = bytearray()
             async for chunk in response.content.iter_chunked(1 << 16):
                 body += chunk

@@ -244,3 +244,45 @@ async def test_a_rounds_changes_are_told_in_one_call() -> None:
     assert health.penalty(W2) == 2.0
     await health.probe_all()
     assert changes == [{W1, W2}]  # nothing changed: nothing told
+
+
+@pytest.fixture
+async def trickler() -> AsyncIterator[str]:
+    """A hostile worker: its answers' headers come at once, then a byte now and then,
+    never the end (each gap shorter than the probe timeout)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n")
+        try:
+            while True:
+                writer.write(b"#")
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        except (ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server.close()
+
+
+async def test_a_probe_slower_than_the_timeout_fails_and_holds_up_no_round(
+    worker: tuple[str, dict[str, object]], trickler: str
+) -> None:
+    """A worker that answers a byte at a time fails its probe after `timeout_s`, and the
+    round goes on: the other endpoints' health is still judged."""
+    url, control = worker
+    endpoints = f'[{{url: "{url}", max_concurrency: 4}}, {{url: "{trickler}", max_concurrency: 4}}]'
+    config = parse_config(f"models: {{m: {{endpoints: {endpoints}}}}}", "t.yaml")
+    settings = HealthSettings(unhealthy_after=1, timeout_s=0.3)
+    health = Health(Registry(config.models), settings, lambda _: None)
+    await health.start()
+    try:
+        control["health"] = 503
+        # Bounded only so that the test fails instead of hanging.
+        await asyncio.wait_for(health.probe_all(), 30)
+        assert not health.is_up(trickler)
+        assert not health.is_up(url)
+    finally:
+        await health.close()
