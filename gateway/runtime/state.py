@@ -113,7 +113,13 @@ class GatewayState:
                 continue
             name = model.name
             healthy: list[EndpointSpec] = [
-                (url, e.max_concurrency, health.penalty(url), health.budget(name, url))
+                (
+                    url,
+                    e.max_concurrency,
+                    health.penalty(url),
+                    health.budget(name, url),
+                    health.whole_budget(name, url),
+                )
                 for e in model.config.endpoints
                 if health.is_up(url := e.base_url)
             ]

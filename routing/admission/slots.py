@@ -73,8 +73,14 @@ _MODEL_KEYS = (
 # the scripts spell it (prelude.lua `parse_spec`).
 FAIRNESS_LETTER = {"accounts": "a", "tokens": "t", "fifo": "f"}
 # An endpoint in rotation as admission knows it: (url, max_concurrency, load penalty), and
-# its token budget (tokens of KV cache its requests may reserve; None: none) where it has one.
-EndpointSpec = tuple[str, int, float] | tuple[str, int, float, int | None]
+# its token budget (tokens of KV cache its requests may reserve; None: none) where it has one,
+# and its whole budget (what it holds unadapted: the most a request alone there may reserve;
+# absent: the budget itself).
+EndpointSpec = (
+    tuple[str, int, float]
+    | tuple[str, int, float, int | None]
+    | tuple[str, int, float, int | None, int | None]
+)
 # Endpoints a sweep checks the place in `free` of, in turn (`ModelSlots._recheck`).
 RECHECK = 8
 # How many endpoints prefix-cache affinity prefers for a key (small and fixed: an acquire
@@ -122,12 +128,12 @@ class ModelSlots:
         # sweep found (which partition a request queues in).
         self.known, self.seen_queue = False, dict[Tier, int]()
         # The model's endpoints as configured (None: not told; see `_ceiling`); url ->
-        # (max_concurrency, penalty, token budget or 0) of those in rotation.
+        # (max_concurrency, penalty, token budget or 0, whole budget or 0) of those in rotation.
         self.configured: frozenset[str] | None = None
-        self._spec: dict[str, tuple[int, float, int]] = {}
+        self._spec: dict[str, tuple[int, float, int, int]] = {}
         # The index as this replica last wrote it (None: to be written whole), and its
         # version: a change applies only over that (routing/store/lua/index.lua).
-        self._written: dict[str, tuple[int, float, int]] | None = None
+        self._written: dict[str, tuple[int, float, int, int]] | None = None
         self._written_version, self.version, self.ring, self._rechecked = "", "", Ring(()), 0
         self.urls: list[str] = []
         self.configure(utilization, max_queue, fair, preempt=preempt)
@@ -152,9 +158,6 @@ class ModelSlots:
         )
         if configured is not None:
             self.configured = frozenset(configured)
-        # Each endpoint's whole budget: the largest it was given since the config (a budget
-        # that adapts shrinks below it for a while; a reload starts again from what is set).
-        self._whole: dict[str, int] = {}
         self._utilization = [utilization[t] for t in BY_RANK]
         # Each tier's share of an endpoint's token budget: its max_utilization.
         self._shares = [f"{u:g}" for u in self._utilization]
@@ -165,15 +168,13 @@ class ModelSlots:
         """The endpoints in rotation (`EndpointSpec`). Redis learns them from the next
         `index` call."""
         specs = [_spec_of(e) for e in endpoints]
-        self.capacity = sum(size for _, (size, _, _) in specs)
+        self.capacity = sum(size for _, (size, *_) in specs)
         urls = [url for url, _ in specs]
         self.ring = self.ring.changed(urls)
         self.urls = urls
         self._spec = dict(specs)
         # Whether any endpoint holds a token budget: requests then carry a reservation.
-        self.budgeted = any(budget for _, (_, _, budget) in specs)
-        for url, (_, _, budget) in specs:
-            self._whole[url] = max(budget, self._whole.get(url, 0))
+        self.budgeted = any(budget for _, (_, _, budget, _) in specs)
         # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
@@ -187,16 +188,16 @@ class ModelSlots:
             )
         )
         # The index's version: its endpoints and sizes (penalties change too often to count).
-        sizes = "\n".join(sorted(f"{url} {size}" for url, (size, _, _) in self._spec.items()))
+        sizes = "\n".join(sorted(f"{url} {size}" for url, (size, *_) in self._spec.items()))
         self.version = hashlib.blake2b(sizes.encode(), digest_size=8).hexdigest()
 
     def largest_budget(self) -> int | None:
         """The largest whole token budget of the endpoints in rotation: a request reserving
         more could never be served. None when one of them holds no budget (anything fits
         it); 0 when none is in rotation."""
-        if any(budget == 0 for _, _, budget in self._spec.values()):
+        if any(budget == 0 for _, _, budget, _ in self._spec.values()):
             return None
-        return max((self._whole.get(url, 0) for url in self._spec), default=0)
+        return max((whole for *_, whole in self._spec.values()), default=0)
 
     def index(self) -> Call | None:
         """The endpoint index's change since this replica last wrote it (all of it when it
@@ -216,7 +217,7 @@ class ModelSlots:
         t = self._timing
         args: list[Any] = [self.version, base, int(self.known), t.rebuild_ms, len(changed)]
         for url in changed:
-            args += (url, *spec[url], self._whole.get(url, 0))
+            args += (url, *spec[url])
         args += (len(leaving), *leaving)
         return ("index", self._key, args)
 
@@ -353,8 +354,11 @@ def _letter(fairness: bool | str | None) -> str:
     return FAIRNESS_LETTER[fairness]
 
 
-def _spec_of(endpoint: EndpointSpec) -> tuple[str, tuple[int, float, int]]:
+def _spec_of(endpoint: EndpointSpec) -> tuple[str, tuple[int, float, int, int]]:
     """An endpoint's entry in the index as this replica writes it: its size, its penalty
-    (to 4 places: finer changes are not worth a write) and its token budget (0: none)."""
-    budget = endpoint[3] if len(endpoint) > 3 else None
-    return endpoint[0], (endpoint[1], round(endpoint[2], 4), int(budget or 0))
+    (to 4 places: finer changes are not worth a write), its token budget (0: none) and its
+    whole budget (never below the budget; 0: none)."""
+    budget = int(endpoint[3] or 0) if len(endpoint) > 3 else 0
+    whole = int(endpoint[4] or 0) if len(endpoint) > 4 else budget
+    penalty = round(endpoint[2], 4)
+    return endpoint[0], (endpoint[1], penalty, budget, max(whole, budget) if budget else 0)

@@ -78,8 +78,12 @@ class Budget:
     read_at: float | None = None  # the last reading that stepped the fraction
     decreased_at: float = -math.inf
 
+    def whole(self, auto: int | None) -> int | None:
+        """The budget unadapted: as configured, or the worker's cache as last read."""
+        return self.configured if self.configured is not None else auto
+
     def effective(self, auto: int | None) -> int | None:
-        base = self.configured if self.configured is not None else auto
+        base = self.whole(auto)
         if base is None or not self.adaptive.enabled:
             return base
         # Rounded down; the epsilon keeps float error (2000 x 0.55 is 1099.99...) from
@@ -156,6 +160,13 @@ class TokenBudgets:
         worker = self.workers.get(url)
         budget = worker.budgets.get(model) if worker is not None else None
         return budget.effective(worker.kv_tokens) if budget is not None and worker else None
+
+    def whole(self, model: str, url: str) -> int | None:
+        """`model`'s budget on the endpoint before adaptation shrinks it: the most a request
+        alone there may reserve (a worker restarted with a smaller cache holds no more)."""
+        worker = self.workers.get(url)
+        budget = worker.budgets.get(model) if worker is not None else None
+        return budget.whole(worker.kv_tokens) if budget is not None and worker else None
 
     def observe(self, url: str, reading: Reading | None) -> bool:
         """A probe's reading of the endpoint's worker (None: its /metrics could not be

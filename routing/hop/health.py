@@ -128,6 +128,10 @@ class Health:
         """`model`'s token budget on the endpoint now (None: none, or not known yet)."""
         return self.budgets.budget(model, url)
 
+    def whole_budget(self, model: str, url: str) -> int | None:
+        """`model`'s token budget on the endpoint unadapted (None: none, or not known yet)."""
+        return self.budgets.whole(model, url)
+
     # --- passive signals from real requests ---------------------------------------------
 
     def unreachable(self, url: str) -> None:

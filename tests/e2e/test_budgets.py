@@ -22,6 +22,7 @@ from routing.hop.health import Health, HealthSettings
 from routing.registry import Registry
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
+from tests.e2e.conftest import digest
 
 # 12 blocks of 16 tokens: 192. A request of a 2-word prompt and 50 tokens needs 52: three
 # run, the rest wait (the worker's own queue, `vllm:num_requests_waiting`).
@@ -170,3 +171,64 @@ def gateway_budget(http: httpx.Client, gateway: str, model: str, endpoint: str) 
             }:
                 return sample.value
     return None
+
+
+def test_a_worker_restarted_with_a_smaller_cache_is_never_given_more_than_it_holds(
+    tmp_path: Path,
+) -> None:
+    """An `auto` budget that shrinks because the worker came back with a smaller cache is
+    the whole budget now: a request larger than it is refused (400 context_too_large,
+    naming it), never sent alone to a worker that cannot hold it."""
+    sim = procs.sim(tmp_path, "--kv-tokens", "1000", "--block-size", "16", "--tokens", "50")
+    model, key = "budget-restart", "sk-budget-restart"
+    store = redis.Redis.from_url(REDIS_URL)
+    gateway = None
+    try:
+        gateway = procs.gateway(
+            tmp_path,
+            f"""
+redis: {{url: "{REDIS_URL}"}}
+health: {{interval_s: 0.2}}
+keys: [{{sha256: "{digest(key)}", account: budget-restart}}]
+models:
+  {model}:
+    max_tokens_default: 1000
+    endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1, max_tokens_in_flight: auto}}]
+""",
+        )
+        with httpx.Client(timeout=30) as http:
+            budget = lambda: gateway_budget(http, gateway.url, model, sim.url)  # noqa: E731
+            wait_for(lambda: budget() == 992, "the first cache's budget")
+            sim.stop()
+            small = ["sim", "--port", str(sim.port), "--models", "m1", "--kv-tokens", "200"]
+            small += ["--block-size", "16", "--tokens", "50"]
+            sim = procs.Proc(small, sim.port, "/health", tmp_path / "sim-small.log").start()
+            wait_for(lambda: budget() == 192, "the smaller cache's budget")
+            wait_for(lambda: gateway_up(http, gateway.url, model, sim.url), "back in rotation")
+            body = {"model": model, "prompt": "hello there", "max_tokens": 500}
+            answer = http.post(
+                gateway.url + "/v1/completions", json=body,
+                headers={"authorization": f"Bearer {key}"},
+            )  # fmt: skip
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["code"] == "context_too_large"
+        assert "192 tokens" in answer.json()["error"]["message"]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        sim.stop()
+        if keys := store.keys("gw:{" + model + "}:*"):
+            store.delete(*keys)
+        store.close()
+
+
+def gateway_up(http: httpx.Client, gateway: str, model: str, endpoint: str) -> bool:
+    for family in text_string_to_metric_families(http.get(gateway + "/metrics").text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "gateway_endpoint_up" and labels == {
+                "model": model,
+                "endpoint": endpoint,
+            }:
+                return sample.value == 1
+    return False

@@ -130,7 +130,8 @@ def test_auto_is_read_said_once_until_then_and_follows_a_restart(
         assert b.observe(W1, Reading()) is False  # no longer told: the last size stays
         assert b.budget("c", W1) == 4096
         assert b.observe(W1, Reading(kv_tokens=2048)) is True  # restarted smaller
-    assert b.budget("c", W1) == 2048
+    assert b.budget("c", W1) == b.whole("c", W1) == 2048  # no more, even alone
+    assert b.whole("a", W1) == 1000 and b.whole("a", "http://gone") is None
     assert any("now 2048 tokens (was 4096)" in r.getMessage() for r in caplog.records)
 
 
@@ -144,6 +145,7 @@ def test_a_budget_adapts_per_model_on_a_shared_worker() -> None:
         changed = b.observe(W2, Reading(waiting=5.0, kv_usage=0.5, kv_tokens=2000))
         seen.append((changed, b.budget("a", W2)))
     assert seen == [(True, 1500), (True, 1125), (True, 1000), (False, 1000)]
+    assert b.whole("a", W2) == 2000  # adapted, not restarted: a lone request may hold it
     assert b.budget("b", W2) == 300  # b does not adapt
     clock.now += 1.0
     assert b.observe(W2, BUSY) is False  # still overloaded, inside the hold: no change

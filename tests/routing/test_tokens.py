@@ -75,11 +75,25 @@ async def test_alone_on_an_endpoint_a_request_always_fits(real_redis: aioredis.R
     else reserved there, it runs (as vLLM runs one sequence its cache holds); so does a flex
     request above flex's share of an empty endpoint (all of it is spare)."""
     m = Model(real_redis, budgeted((1000, None)))
-    m.slots.set_endpoints([(A, 8, 0.0, 400)])  # shrunk from 1000
+    m.slots.set_endpoints([(A, 8, 0.0, 400, 1000)])  # adapted down from its whole 1000
     assert (await m.acquire(lid("big", 900))).status == GRANTED
     assert (await m.acquire(lid("small", 10))).status == BUSY  # not beside it
     await m.release(lid("big", 900))
     assert (await m.acquire(lid("flex", 390), Tier.FLEX)).status == GRANTED  # > 0.8 x 400
+
+
+async def test_a_whole_budget_that_shrinks_holds_a_lone_request_to_it(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A worker restarted with a smaller cache (`auto`): its whole budget is the new one,
+    not the largest it ever had; a request alone there gets no more than that."""
+    m = Model(real_redis, budgeted((1000, None)))
+    m.slots.set_endpoints([(A, 8, 0.0, 1000, 1000)])
+    assert m.slots.largest_budget() == 1000
+    m.slots.set_endpoints([(A, 8, 0.0, 400, 400)])
+    assert m.slots.largest_budget() == 400
+    assert (await m.acquire(lid("big", 900))).status == BUSY
+    assert await reserved(m) == {}
 
 
 async def test_an_endpoint_without_a_budget_takes_any_reservation(
