@@ -267,7 +267,9 @@ class Health:
             )
         if status != 200 or text is None:
             return None
-        return scrape.read(text, load=load, cache=cache)
+        # In a thread: a hostile page (8 MiB of one label set) takes the parser most of a
+        # second, which the event loop (the replica's requests) must not wait out.
+        return await asyncio.to_thread(scrape.read, text, load=load, cache=cache)
 
     async def _get(self, url: str) -> tuple[int, str | None]:
         """Status and body, the whole body read (an answer that breaks off is a failure);

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from gateway.runtime.settings import parse_config
 from routing.background import BackgroundErrors
+from routing.hop import scrape
 from routing.hop.health import EndpointHealth, Health, HealthSettings
 from routing.hop.scrape import Reading, gauge
 from routing.registry import Registry
@@ -286,3 +288,31 @@ async def test_a_probe_slower_than_the_timeout_fails_and_holds_up_no_round(
         assert not health.is_up(url)
     finally:
         await health.close()
+
+
+async def test_a_workers_metrics_are_read_off_the_event_loop(
+    worker: tuple[str, dict[str, object]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile /metrics (8 MiB of one label set, escapes) takes the parser most of a
+    second: it runs in a thread, so the replica's requests go on meanwhile."""
+    url, _ = worker
+    config = parse_config(
+        f'models: {{m: {{endpoints: [{{url: "{url}", max_concurrency: 4, metrics: true}}]}}}}',
+        "t.yaml",
+    )
+    threads: list[threading.Thread] = []
+    real_read = scrape.read
+
+    def read(text: str, *, load: bool, cache: bool) -> Reading:
+        threads.append(threading.current_thread())
+        return real_read(text, load=load, cache=cache)
+
+    monkeypatch.setattr(scrape, "read", read)
+    health = Health(Registry(config.models), HealthSettings(), lambda _: None)
+    await health.start()
+    try:
+        await health.probe_all()
+    finally:
+        await health.close()
+    assert threads and threading.main_thread() not in threads
+    assert health.penalty(url) == pytest.approx(2.0 + 0.5)
