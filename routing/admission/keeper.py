@@ -74,6 +74,8 @@ class Keeper:
     states: dict[str, ModelState] = field(default_factory=dict)
     # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them.
     reserved: dict[tuple[str, str], int] = field(default_factory=dict)
+    # The partitions whose last read found tokens reserved (read until none are).
+    _reserving: set[str] = field(default_factory=set)
     _rounds: int = 0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
@@ -139,7 +141,8 @@ class Keeper:
         self._rounds += 1
         reserved = []
         if self._rounds % RESERVED_EVERY == 1:
-            reserved = [m for m in models if adm.slots[m].budgeted]
+            # And those that had reservations: what an endpoint out of rotation held ends.
+            reserved = [m for m in models if adm.slots[m].budgeted or m in self._reserving]
         reads: list[Call] = [("HGETALL", [adm.slots[m].reserved_key], []) for m in reserved]
         return _Round(
             calls + orphan_calls + reads,
@@ -203,16 +206,26 @@ class Keeper:
 
     def _saw_reserved(self, part: str, reply: Any) -> None:
         """A partition's tokens reserved per endpoint, for the endpoints this replica knows
-        (a metric's label values come from its config, never from Redis)."""
+        (a metric's label values come from its config, never from Redis): those in rotation
+        and those told before (out of rotation, or gone with a reload, their leases end)."""
         adm = self.admission
         model = adm.model_of.get(part, part)
         known = set(adm.slots[part].urls)
+        known.update(
+            url
+            for m, url in self.reserved
+            if m == model and adm.layout.part_of.get((m, url), part) == part
+        )
         found = (
             dict(zip(reply[::2], reply[1::2], strict=True)) if isinstance(reply, list) else reply
         )
         values = {text(url): int(tokens) for url, tokens in found.items()}
         for url in known:
             self.reserved[model, url] = values.get(url, 0)
+        if any(values.get(url, 0) for url in known):
+            self._reserving.add(part)
+        else:
+            self._reserving.discard(part)
 
     def wake(self, waiter_id: str, endpoint: str) -> None:
         waiter = self.admission.holdings.waiters.get(waiter_id)

@@ -17,7 +17,8 @@ from redis.exceptions import ResponseError
 
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission
-from routing.admission.keeper import REPLICAS_KEY, Keeper
+from routing.admission.keeper import REPLICAS_KEY, RESERVED_EVERY, Keeper
+from routing.admission.tokens import TokenAsk
 from routing.background import BackgroundErrors
 from routing.ledger.records import USAGE_STREAM, UsageSettings
 from routing.ledger.spool import UsageSpool
@@ -234,3 +235,39 @@ async def test_a_record_redis_refuses_is_reported_and_stays_spooled(
     assert [where for _, where in store.reports] == ["spool"]
     assert isinstance(store.reports[0][0], ResponseError)
     assert spool.pending()  # tried again next round
+
+
+# --- the tokens reserved, for the metrics ------------------------------------------------------
+
+BUDGETED = """
+models:
+  tb:
+    max_tokens_default: 10
+    endpoints:
+      - {url: "http://tb-a:8000", max_concurrency: 2, max_tokens_in_flight: 1000}
+      - {url: "http://tb-b:8000", max_concurrency: 2, max_tokens_in_flight: 1000}
+"""
+
+
+async def test_the_tokens_reserved_on_an_endpoint_out_of_rotation_are_still_read(
+    real_redis: aioredis.Redis,
+) -> None:
+    """An endpoint that left rotation with reservations on it: once they end, the metric
+    says 0 there, not what it held when it left (nor after every endpoint left)."""
+    config = parse_config(BUDGETED, "t.yaml")
+    fleet = Fleet(config, Registry(config.models), real_redis)
+    try:
+        adm = await fleet.admission()
+        keeper = keeper_of(fleet, adm)
+        admitted = await bounded(adm.admit(fleet.plan("tb"), "t-acme", 10, tokens=TokenAsk(90)))
+        url = admitted.lease.endpoint
+        await bounded(keeper.sweep_once())
+        assert keeper.reserved["tb", url] == 100
+        adm.set_endpoints("tb", [])  # both out of rotation (unhealthy)
+        await bounded(adm.release(admitted.lease))
+        await bounded(adm.drain())
+        for _ in range(RESERVED_EVERY):
+            await bounded(keeper.sweep_once())
+        assert keeper.reserved["tb", url] == 0
+    finally:
+        await fleet.close()
