@@ -191,6 +191,31 @@ async def test_a_budget_shrunk_under_its_leases_admits_nothing_until_they_fit(
     assert await reserved(m) == {}
 
 
+async def test_a_release_under_a_shrunk_budget_hands_its_slot_on_only_when_it_fits(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A budget that shrank under its leases (a worker restarted smaller): a release hands
+    its slot to a smaller waiter only if the budget then holds what is reserved there, not
+    because the waiter reserves less than the lease it replaces."""
+    m = Model(real_redis, budgeted((1000, None)))
+    m.slots.set_endpoints([(A, 2, 0.0, 1000)])
+    held = [lid("h0", 500), lid("h1", 500)]
+    for lease in held:
+        assert (await m.acquire(lease)).status == GRANTED
+    waiter = lid("w", 300)
+    assert (await m.acquire(waiter, may_wait=True)).status == QUEUED
+    m.slots.set_endpoints([(A, 2, 0.0, 400)])
+    await m.write_index()
+    # As the gateway releases a lease: naming its endpoint (prelude.lua `hand_on`).
+    assert int(await m.run(m.slots.release([held[0]], endpoint=A))) == 0  # 500 + 300 > 400
+    assert await m.queue() == [waiter]
+    assert await reserved(m) == {A: 500}
+    assert await m.release(held[1]) == 1  # alone, 300 fits 400
+    assert await reserved(m) == {A: 300}
+    await m.release(waiter)
+    assert await reserved(m) == {}
+
+
 async def test_fair_share_by_tokens_serves_the_account_holding_fewer_tokens(
     real_redis: aioredis.Redis,
 ) -> None:

@@ -808,15 +808,20 @@ local function hand_on(gone, ep, claim_until, ceilings, fair, fracs)
   if not head then return false end
   local t = tokens_of(head.id)
   local delta = t - tokens_of(gone)
+  local tok
   if delta ~= 0 then
-    local tok = redis.call('HINCRBY', EP_TOK, ep, delta)
-    local alone = tok == t and t <= whole
-    if budget and delta > 0 and tok > budget * (fracs[head.rank + 1] or 1) and not alone then
-      redis.call('HINCRBY', EP_TOK, ep, -delta)
-      return false
-    end
-    rescore(ep, load, spec, tok)
+    tok = redis.call('HINCRBY', EP_TOK, ep, delta)
+  elseif budget and t > 0 then
+    tok = tonumber(redis.call('HGET', EP_TOK, ep)) or 0
   end
+  -- Held to the budget as `take_slot` holds a new lease, also for a waiter smaller than
+  -- `gone`: a budget that shrank under its leases may still be short.
+  local alone = tok == t and t <= whole
+  if budget and t > 0 and tok > budget * (fracs[head.rank + 1] or 1) and not alone then
+    if delta ~= 0 then redis.call('HINCRBY', EP_TOK, ep, -delta) end
+    return false
+  end
+  if delta ~= 0 then rescore(ep, load, spec, tok) end
   grant_head(head, ep, claim_until)
   return true
 end
