@@ -87,7 +87,7 @@ class Hop:
             endpoint = pools.pick(lease.model)
         else:
             endpoint = pools.find(lease.model, lease.endpoint)
-            if endpoint is None and await self._state.admission.reroute(lease, lease.endpoint):
+            if endpoint is None and await self._reroute(lease.endpoint):
                 endpoint = pools.find(lease.model, lease.endpoint)
         if endpoint is None:
             raise ServiceUnavailable(
@@ -103,7 +103,7 @@ class Hop:
         except WorkerUnreachable:
             self._state.health.unreachable(endpoint.url)
             lease = self._admitted.lease
-            if lease.local or not await self._state.admission.reroute(lease, endpoint.url):
+            if lease.local or not await self._reroute(endpoint.url):
                 raise
             self._count_error(UpstreamUnavailable.__name__)
             moved = self._state.pools.find(lease.model, lease.endpoint)
@@ -115,6 +115,15 @@ class Hop:
         except WorkerUnreachable:
             self._state.health.unreachable(endpoint.url)
             raise
+
+    async def _reroute(self, avoid: str) -> bool:
+        """Move the lease off `avoid` onto the least loaded endpoint with room among those
+        this replica knows: the index may hold another replica's view (a rolling update),
+        whose endpoints this one cannot send to."""
+        lease = self._admitted.lease
+        pool = self._state.pools.for_model(lease.model)
+        known = [e.url for e in pool.endpoints] if pool is not None else []
+        return await self._state.admission.reroute(lease, avoid, known)
 
     async def _post(self, endpoint: Endpoint) -> HopResponse:
         headers = _worker_headers(endpoint, self._exchange)

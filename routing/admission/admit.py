@@ -251,17 +251,21 @@ class Admission:
         self, walk: Walk, cand: Candidate, deadline: float, started: float
     ) -> tuple[Admitted | None, RoutingError | None]:
         """The candidate's partitions in turn (routing/admission/partitions.py): the first
-        with room admits; only the last tried may queue. Else the last one's refusal."""
-        model, tier = cand.model.name, cand.tier
+        with room admits; only the last tried may queue (if it left rotation meanwhile: all
+        of them again, once, as they are now). Else the last one's refusal."""
+        model, tier, again = cand.model.name, cand.tier, cand.may_wait
         order = self.rotations[model].order(walk.cache_key, cand.may_wait, tier, self.slots)
         last: RoutingError | None = None
         for part, may_wait in order:
             if self.slots[part].capacity == 0:  # out of rotation meanwhile
+                if may_wait and again:  # never answered as a fail_fast request
+                    order += self.rotations[model].order(walk.cache_key, True, tier, self.slots)
+                    again = False
                 continue
             rate = self.retry.rate(model, self.capacity(model))
             # The most grants it may wait behind in this partition and meet its deadline.
             left = None if walk.deadline is None else walk.deadline - self._clock()
-            walk.max_turn = None if left is None else max_turn(left, rate, self._live(model))
+            walk.max_turn = None if left is None else max_turn(left, rate, self.layout.live(model))
             result = await self.acquire.past_rebuild(walk, part, may_wait, tier, deadline)
             estimate = wait_s(self._model_turn(model, result.turn), rate)
             endpoint = await self._settle(walk, model, tier, result, deadline)
@@ -354,11 +358,7 @@ class Admission:
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about
         its share of the model's frees (which Retry-After's rate counts)."""
-        return turn * max(1, self._live(model))
-
-    def _live(self, model: str) -> int:
-        """`model`'s partitions with an endpoint in rotation."""
-        return sum(1 for p in self.rotations[model].parts if self.slots[p].capacity > 0)
+        return turn * max(1, self.layout.live(model))
 
     def capacity(self, model: str) -> int:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""

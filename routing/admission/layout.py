@@ -35,6 +35,10 @@ class Layout:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""
         return sum(self.slots[p].capacity for p in self.rotations[model].parts)
 
+    def live(self, model: str) -> int:
+        """`model`'s partitions with an endpoint in rotation."""
+        return sum(1 for p in self.rotations[model].parts if self.slots[p].capacity > 0)
+
     def apply(self, registry: Registry, tiers: TiersConfig) -> list[ModelSlots]:
         """A new config: new models (and partitions) get slots, known ones new ceilings
         and queue bounds. Models that left keep their slots (their requests in flight still

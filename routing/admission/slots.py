@@ -337,8 +337,8 @@ class ModelSlots:
         return [urls[(start + i) % len(urls)] for i in range(min(RECHECK, len(urls)))]
 
     def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:
-        """Move a held lease off `avoid` onto another endpoint with room: the first of
-        `only` (when given), else the least loaded."""
+        """Move a held lease off `avoid` onto another endpoint with room: the least loaded
+        of `only` (when given: those this replica knows), else of all."""
         urls = [u for u in only if u != avoid and u in self._spec] if only is not None else []
         if only is not None and not urls:
             urls = [""]  # none to choose from: a name no endpoint has

@@ -140,6 +140,36 @@ async def test_a_lease_on_an_unknown_endpoint_with_no_room_elsewhere_is_a_503(
     assert await state.redis.zcard(state.admission.slots["m1"].keys[0]) == 0
 
 
+async def test_a_lease_on_an_unknown_endpoint_never_moves_to_another_unknown_one(
+    state: GatewayState,
+) -> None:
+    """Another replica's config has two endpoints this one does not know, and its view
+    stands in Redis's index: a lease granted on one of them moves to an endpoint this
+    replica knows, never to the other unknown one (the least loaded of all: a 503 though
+    a known endpoint had room)."""
+    other = "http://also-only-in-another-replicas-config:8000"
+    slots = state.admission.slots["m1"]
+
+    async def index(view: list[tuple[str, int, float]]) -> None:
+        slots.set_endpoints(view)
+        if (call := slots.index()) is not None:
+            await state.admission.scripts.call(state.admission.store, call)
+
+    await index([(ELSEWHERE, 10, 0.0), (other, 10, 0.0), *((url, 10, 0.0) for url in KNOWN)])
+    candidates = plan_candidates("m1", None, fail_fast=True, registry=state.registry, allowed=None)
+    held = [await state.admission.admit(candidates, "acct", 10) for _ in range(4)]
+    # One lease on each (the least loaded in turn); then `other` is the least loaded.
+    assert {h.lease.endpoint for h in held} == {ELSEWHERE, other, *KNOWN}
+    slots.set_endpoints([(url, 1, 0.0) for url in KNOWN])  # this replica's own view
+    on_elsewhere = next(h for h in held if h.lease.endpoint == ELSEWHERE)
+    await state.admission.release(next(h.lease for h in held if h.lease.endpoint == other))
+    exchange, sent = await hop(state, on_elsewhere)
+    assert exchange.status == 200 and sent[0]["status"] == 200
+    assert on_elsewhere.lease.endpoint in KNOWN
+    for h in held:
+        await state.admission.release(h.lease)
+
+
 class BrokenRefusal(Answer):
     """A worker's error answer whose body cannot be read."""
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import fakeredis
 import pytest
@@ -298,3 +299,38 @@ def test_a_partition_the_hash_leaves_empty_is_said_and_the_others_share_the_queu
     assert [adm.slots[p].capacity for p in parts] == [0, 3]
     assert adm.slots[parts[1]].max_queue == 9
     assert "1 of its 2 partitions got no endpoint" in caplog.text
+
+
+async def test_a_waiter_whose_partition_leaves_rotation_during_its_walk_queues_in_another(
+    wide: Fleet,
+) -> None:
+    """Every slot held; a request that may wait tries the partitions in turn, and the one it
+    was to queue in goes out of rotation while it tries the others (health, a reload): it
+    queues in one still in rotation, never answered `model_busy` as a fail_fast one."""
+    adm = await wide.admission()
+    await wide.keeper(adm)
+    held = [(await admit(adm, wide.plan("wide"))).lease for _ in range(8)]
+    order = adm.rotations["wide"].order(None, True, Tier.DEFAULT, adm.slots)
+    adm.rotations["wide"]._next -= 1  # the walk below gets that order
+    gone = order[-1][0]
+    tries = adm.acquire.try_one
+
+    async def first_try_takes_it_out(*args: Any, **kwargs: Any) -> Any:
+        adm.acquire.try_one = tries  # type: ignore[method-assign]
+        left = [(u, 1, 0.0) for u in WIDE if partition_of(u, 4) != PARTS.index(gone)]
+        adm.set_endpoints("wide", left)
+        return await tries(*args, **kwargs)
+
+    adm.acquire.try_one = first_try_takes_it_out  # type: ignore[method-assign]
+    queued = watch_queued(adm)
+    late = asyncio.create_task(admit(adm, wide.plan("wide")))
+    await bounded(queued.get())
+    depth = await in_parts(wide, "queue")
+    assert depth[gone] == 0 and sum(depth.values()) == 1
+    part = next(p for p, n in depth.items() if n)
+    freed = next(lease for lease in held if lease.keys == part)
+    await bounded(adm.release(freed))
+    held.remove(freed)
+    held.append((await bounded(late)).lease)
+    await release_all(adm, held)
+    await wide.assert_clean()

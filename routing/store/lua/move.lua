@@ -1,20 +1,26 @@
 -- Move a held lease off an endpoint that could not be reached, onto another with room,
 -- without giving the slot up (a release would hand it to the queue head first).
--- ARGV: 1 lease_id, 2 ttl_ms, 3 the endpoint it is on, 4 k, 5.. k endpoints to prefer (the
--- first of them with room; with k 0 the least loaded of the others).
+-- ARGV: 1 lease_id, 2 ttl_ms, 3 the endpoint it is on, 4 k, 5.. k endpoints it may go to
+-- (the least loaded of them with room, the first among equals: those the replica knows;
+-- with k 0 the least loaded of all but `avoid`).
 -- Returns the new endpoint, or '' when none has room (the lease stays where it was).
 local now = now_ms()
 expire(now)
 local id, avoid, k = ARGV[1], ARGV[3], tonumber(ARGV[4])
--- The endpoint to move to: the first of the preferred with room, else the least loaded
--- other than `avoid`; nil when none.
+-- The endpoint to move to: the least loaded of the k with room, else (k 0) the least
+-- loaded other than `avoid`; nil when none. O(k): a move is rare (a worker unreachable).
 local function choose()
   if k > 0 then
-    local found = redis.call('ZMSCORE', FREE, unpack(ARGV, 5, 4 + k))
-    for i = 1, k do
-      if found[i] and ARGV[4 + i] ~= avoid then return ARGV[4 + i] end
+    local best, low = nil, nil
+    for from = 5, 4 + k, 1000 do
+      local upto = math.min(from + 999, 4 + k)
+      local found = redis.call('ZMSCORE', FREE, unpack(ARGV, from, upto))
+      for i = from, upto do
+        local s = found[i - from + 1] and tonumber(found[i - from + 1])
+        if s and ARGV[i] ~= avoid and (not low or s < low) then best, low = ARGV[i], s end
+      end
     end
-    return nil
+    return best
   end
   local two = redis.call('ZRANGE', FREE, 0, 1)
   return two[1] ~= avoid and two[1] or two[2]
