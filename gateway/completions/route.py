@@ -252,7 +252,7 @@ class CompletionRoute:
         if account is None or account.rates is None:
             return ()
         if quotas is None:
-            quotas = await self._state.admission.rates.peek(account.rates)
+            return await self._state.quota_headers(account)
         return quota_headers(quotas)
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:
