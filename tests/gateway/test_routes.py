@@ -106,7 +106,7 @@ async def test_the_allowed_model_answers_the_limited_key(client: httpx.AsyncClie
 async def test_a_rate_limited_key_gets_its_ratelimit_headers_here_too(
     client: httpx.AsyncClient, path: str
 ) -> None:
-    # SPEC 12: OpenAI's x-ratelimit-* "on every answer to a key that has a limit"; a read
+    # docs/api.md: OpenAI's x-ratelimit-* on every answer to a key with a limit; a read
     # of the buckets, not a charge.
     resp = await client.get(path, headers=auth(KEY_RPM))
     assert resp.status_code in (200, 404)

@@ -245,7 +245,7 @@ async def test_redis_away_admits_on_the_local_share_without_a_charge(fleet: Flee
 
 async def test_an_unknown_candidate_error_still_carries_the_quotas(fleet: Fleet) -> None:
     """A walk whose every candidate has no endpoint sent no take: no quotas, so its answer
-    reads the buckets (SPEC 12: every answer carries limit, remaining and reset), not the
+    reads the buckets (docs/api.md: every answer carries limit, remaining and reset), not the
     limits alone, which are for a take Redis did not answer."""
     adm = await fleet.admission()
     adm.set_endpoints("two", [])
