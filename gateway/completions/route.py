@@ -167,9 +167,10 @@ class CompletionRoute:
         if preempted is None:
             return None
         again = await requeued(self._state, parsed, exchange, admitted)
-        if again is None:
+        if again is None:  # its 429 was counted with its admission's (`_observe`)
             error = from_routing(preempted)
-            self._rejected(parsed, error)
+            model, tier = admitted.candidate.model.name, admitted.tier.value
+            self._state.metrics.rejections.labels(model, tier, error.code).inc()
             await send_error(reply, error, parsed.rid, exchange.headers)
         return again
 
