@@ -46,9 +46,10 @@ class UsageRecord:
     # estimate and answer cap; 0 where its model has no token budget). Absent from records
     # written before budgets: 0.
     reserved_tokens: int = 0
-    # A flex admission whose slot a tier that may preempt took before its first byte: it
-    # gave its caller nothing (no completion) and costs nothing. Absent before: not.
-    preempted: bool = False
+    # 1 for a flex admission whose slot a tier that may preempt took before its first byte:
+    # it gave its caller nothing (no completion) and costs nothing; else 0 (absent before).
+    # 0|1 in every form (docs/usage.md), not a bool (true/false in JSONL, True/False in CSV).
+    preempted: int = 0
 
     def to_fields(self) -> dict[str, str]:
         """The record as a Redis stream entry: every value a string, None as ""."""
@@ -114,6 +115,7 @@ _SECOND: list[Any] = [-1, ""]  # the second `utc_now_ms` last saw, and its text
 _NAMES = tuple(f.name for f in fields(UsageRecord))
 _values = attrgetter(*_NAMES)
 _INTS = {"fallback_index", "prompt_tokens", "completion_tokens", "status", "reserved_tokens"}
+_FLAGS = {"preempted"}  # 0|1 (an entry says "1" or "0")
 _FLOATS = {"duration_ms", "queue_ms", "ttft_ms", "cost_usd"}
 _OPTIONAL = {"user", "source", "ttft_ms"}
 
@@ -133,6 +135,8 @@ def _typed(name: str, raw: str) -> Any:
         return int(raw or 0)
     if name in _FLOATS:
         return float(raw or 0)
-    if name in ("estimated", "preempted"):
+    if name in _FLAGS:
+        return int(raw == "1")
+    if name == "estimated":
         return raw == "1"
     return raw

@@ -24,7 +24,8 @@ from gateway.completions.route import CompletionRoute
 from gateway.edge.asgi import Receive, Scope, Send, error_parts, request_id
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import CONTENT_TYPE
-from gateway.runtime.auth import key_from_headers
+from gateway.ratelimits import Headers
+from gateway.runtime.auth import Account, key_from_headers
 from gateway.runtime.state import GatewayState
 from gateway.schemas import ChatRequest, CompletionRequest
 
@@ -77,26 +78,33 @@ class GatewayApp:
         return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
 
     async def _models(self, request: Request) -> Response:
-        allowed = await self._allowed_models(request)
-        data = [_model_object(name) for name in allowed]
-        return _json({"object": "list", "data": data}, request)
+        account = await self._account(request)
+        data = [_model_object(name) for name in self._allowed_models(account)]
+        limits = await self.state.quota_headers(account)
+        return _json({"object": "list", "data": data}, request, extra=limits)
 
     async def _model(self, request: Request) -> Response:
         """One model object; unknown and not-allowed look alike (404), as on the POSTs."""
         name: str = request.path_params["model"]
-        if name not in await self._allowed_models(request):
+        account = await self._account(request)
+        limits = await self.state.quota_headers(account)
+        if name not in self._allowed_models(account):
             shown = repr(name[:256])
-            raise ModelNotFound(
+            error = ModelNotFound(
                 f"The model {shown} does not exist or is not available to this key."
             )
-        return _json(_model_object(name), request)
+            return _error_response(request, error, limits)
+        return _json(_model_object(name), request, extra=limits)
 
-    async def _allowed_models(self, request: Request) -> list[str]:
-        """The configured models this request's key may use (401 without a valid key)."""
+    async def _account(self, request: Request) -> Account:
+        """The request's key's account (401 without a valid key)."""
         h = request.headers
-        account = await self.state.keys.authenticate(
+        return await self.state.keys.authenticate(
             key_from_headers(h.get("authorization"), h.get("x-api-key"), h.get("xi-api-key"))
         )
+
+    def _allowed_models(self, account: Account) -> list[str]:
+        """The configured models this account's key may use."""
         names = self.state.registry.names()
         return [n for n in names if account.models is None or n in account.models]
 
@@ -124,10 +132,7 @@ class GatewayApp:
         raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
 
     async def _gateway_error(self, request: Request, exc: GatewayError) -> Response:
-        status, body, headers = error_parts(exc, request_id(request.headers.get("x-request-id")))
-        return Response(
-            body, status, {k.decode(): v.decode() for k, v in headers}, "application/json"
-        )
+        return _error_response(request, exc)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:
@@ -139,9 +144,17 @@ def _model_object(name: str) -> dict[str, object]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "gateway"}
 
 
-def _json(payload: object, request: Request, status: int = 200) -> Response:
+def _json(payload: object, request: Request, status: int = 200, extra: Headers = ()) -> Response:
+    """`extra`: headers every answer to this caller carries (a rate-limited key's)."""
     rid = request_id(request.headers.get("x-request-id"))
-    return Response(orjson.dumps(payload), status, {"x-request-id": rid}, "application/json")
+    headers = {"x-request-id": rid, **{k.decode(): v.decode() for k, v in extra}}
+    return Response(orjson.dumps(payload), status, headers, "application/json")
+
+
+def _error_response(request: Request, exc: GatewayError, extra: Headers = ()) -> Response:
+    rid = request_id(request.headers.get("x-request-id"))
+    status, body, headers = error_parts(exc, rid, extra)
+    return Response(body, status, {k.decode(): v.decode() for k, v in headers}, "application/json")
 
 
 def build_app(state: GatewayState) -> GatewayApp:

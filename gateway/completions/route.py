@@ -167,9 +167,10 @@ class CompletionRoute:
         if preempted is None:
             return None
         again = await requeued(self._state, parsed, exchange, admitted)
-        if again is None:
+        if again is None:  # its 429 was counted with its admission's (`_observe`)
             error = from_routing(preempted)
-            self._rejected(parsed, error)
+            model, tier = admitted.candidate.model.name, admitted.tier.value
+            self._state.metrics.rejections.labels(model, tier, error.code).inc()
             await send_error(reply, error, parsed.rid, exchange.headers)
         return again
 
@@ -252,7 +253,7 @@ class CompletionRoute:
         if account is None or account.rates is None:
             return ()
         if quotas is None:
-            quotas = await self._state.admission.rates.peek(account.rates)
+            return await self._state.quota_headers(account)
         return quota_headers(quotas)
 
     def _rejected(self, parsed: Parsed, exc: GatewayError) -> None:

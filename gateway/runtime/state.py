@@ -10,7 +10,8 @@ import time
 import redis.asyncio as aioredis
 
 from gateway.metrics import Metrics
-from gateway.runtime.auth import KeyStore
+from gateway.ratelimits import Headers, quota_headers
+from gateway.runtime.auth import Account, KeyStore
 from gateway.runtime.reload import ConfigWatcher
 from gateway.runtime.settings import GatewayConfig
 from routing.admission.admit import Admission
@@ -149,6 +150,14 @@ class GatewayState:
         if down:
             return "no healthy endpoint for " + ", ".join(down[:10])
         return None
+
+    async def quota_headers(self, account: Account | None) -> Headers:
+        """A rate-limited key's x-ratelimit-* headers for an answer that never reached
+        admission (a 404, 413, 422, the model list): the buckets as Redis says now, charging
+        nothing; none for a key without limits."""
+        if account is None or account.rates is None:
+            return ()
+        return quota_headers(await self.admission.rates.peek(account.rates))
 
     async def store_unready(self) -> str | None:
         """Why the store cannot serve this replica now (docs/api.md, /readyz), or None: the live

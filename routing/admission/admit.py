@@ -182,7 +182,7 @@ class Admission:
             return admitted
         except RoutingError as exc:
             exc.model = exc.model or walk.at
-            exc.quotas = exc.quotas or failed_quotas(rates, walk.charge)
+            exc.quotas = exc.quotas or failed_quotas(rates, walk.charge, asked=walk.rated)
             raise
         finally:
             self._walked(walk, admitted is not None)

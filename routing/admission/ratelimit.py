@@ -101,12 +101,16 @@ class RateCharge:
         return Quotas(_refund(requests, 1), _refund(tokens, self.tokens))
 
 
-def failed_quotas(limits: RateLimits | None, charge: RateCharge | None) -> Quotas | None:
+def failed_quotas(
+    limits: RateLimits | None, charge: RateCharge | None, *, asked: bool = True
+) -> Quotas | None:
     """What a walk that admitted nothing reports: the buckets once its charge went back,
-    else (nothing charged, or Redis did not say) the limits alone."""
+    else (nothing charged, or Redis did not say) the limits alone; None for a walk that
+    never asked the buckets (`asked`: every candidate too large or without an endpoint),
+    whose answer reads them as one before admission does."""
     if charge is not None:
         return charge.refunded()
-    return limits.unknown() if limits is not None else None
+    return limits.unknown() if limits is not None and asked else None
 
 
 def _refund(quota: Quota | None, cost: int) -> Quota | None:

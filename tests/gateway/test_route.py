@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.completions import hop, route
+from routing.errors import Preempted
 from routing.ledger.records import USAGE_STREAM
 from tests.gateway.json_text import bodies
 from tests.gateway.test_app import KEY, STREAM, ScriptedResponse, _settled, make_app
@@ -227,6 +228,29 @@ async def test_an_admission_store_outage_is_a_503_counted_under_the_model_tried(
     # The walk stops at the first model (on_outage: reject): that is the one counted.
     assert requests_counted(app, counted, "default", "503") == 1
     assert requests_counted(app, "", "", "503") == 0
+
+
+async def test_a_preempted_flex_request_is_counted_once_under_its_model_and_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flex request preempted before its first byte (tiers.flex.on_preempt: reject): its
+    429 once in gateway_requests_total and its rejection under the model and tier it was
+    admitted at, not also under empty labels (docs/metrics.md)."""
+    app, _ = make_app()
+
+    async def preempted(hop: Any, *_: Any) -> None:
+        hop.close()
+        raise Preempted("taken by a request of a higher tier", 1)
+
+    monkeypatch.setattr(route, "unless_preempted", preempted)
+    body = BASE + b', "service_tier": "flex"}'
+    resp = await send(app, body, uuid.uuid4().hex)
+    assert (resp.status_code, resp.json()["error"]["code"]) == (429, "preempted")
+    assert requests_counted(app, "m1", "flex", "429") == 1
+    assert requests_counted(app, "", "", "429") == 0
+    labels = {"model": "m1", "tier": "flex", "reason": "preempted"}
+    registry = app.state.metrics.registry
+    assert registry.get_sample_value("gateway_rejections_total", labels) == 1
 
 
 async def test_an_unknown_model_is_a_404_counted_without_a_model() -> None:

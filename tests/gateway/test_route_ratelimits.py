@@ -132,6 +132,24 @@ async def test_an_answer_before_admission_carries_the_headers_and_charges_nothin
     }  # fmt: skip
 
 
+async def test_a_request_too_large_for_every_budget_carries_the_headers_too() -> None:
+    # A walk that never asked the buckets (its only model holds 100 tokens at most): its
+    # 400 context_too_large reads them, as an answer before admission does, not the limits
+    # alone (those are for a Redis that does not answer).
+    upstream = ScriptedUpstream()
+    budgeted = CONFIG.replace(
+        "max_concurrency: 2}]", "max_concurrency: 2, max_tokens_in_flight: 100}]", 1
+    )
+    config = parse_config(budgeted + LIMITS, "unit.yaml")
+    state = GatewayState(config, redis=fakeredis.FakeAsyncRedis(), upstream=upstream)  # type: ignore[arg-type]
+    resp = await post(build_app(state), {"model": "m1", "prompt": "x", "max_tokens": 500})
+    assert (resp.status_code, resp.json()["error"]["code"]) == (400, "context_too_large")
+    assert limits_of(resp) == {
+        "limit-requests": "3", "remaining-requests": "3", "reset-requests": "0s",
+        "limit-tokens": "100000", "remaining-tokens": "100000", "reset-tokens": "0s",
+    }  # fmt: skip
+
+
 async def test_a_reload_changes_an_accounts_limits() -> None:
     app, _ = make_app()
     body = {"model": "m1", "prompt": "x", "max_tokens": 1}

@@ -19,6 +19,7 @@ from gateway.schemas.completions import CompletionRequest
 
 KEY = "sk-routes"
 KEY_ONE = "sk-routes-one-model"
+KEY_RPM = "sk-routes-rate-limited"
 SLASHED = "meta-llama/Llama-2-70b-chat-hf"
 
 
@@ -38,6 +39,7 @@ models:
 keys:
   - {{sha256: "{_digest(KEY)}", account: all}}
   - {{sha256: "{_digest(KEY_ONE)}", account: one, models: [demo/llama-3-8b]}}
+  - {{sha256: "{_digest(KEY_RPM)}", account: rated, rpm: 3, tpm: 1000}}
 """
 
 
@@ -98,6 +100,23 @@ async def test_the_allowed_model_answers_the_limited_key(client: httpx.AsyncClie
     resp = await client.get("/v1/models/demo/llama-3-8b", headers=auth(KEY_ONE))
     assert resp.status_code == 200
     assert resp.json()["id"] == "demo/llama-3-8b"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/plain", "/v1/models/no-such-model"])
+async def test_a_rate_limited_key_gets_its_ratelimit_headers_here_too(
+    client: httpx.AsyncClient, path: str
+) -> None:
+    # docs/api.md: OpenAI's x-ratelimit-* on every answer to a key with a limit; a read
+    # of the buckets, not a charge.
+    resp = await client.get(path, headers=auth(KEY_RPM))
+    assert resp.status_code in (200, 404)
+    assert {k: v for k, v in resp.headers.items() if k.startswith("x-ratelimit-")} == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "3",
+        "x-ratelimit-reset-requests": "0s", "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "1000", "x-ratelimit-reset-tokens": "0s",
+    }  # fmt: skip
+    unlimited = await client.get(path, headers=auth(KEY))
+    assert not [k for k in unlimited.headers if k.startswith("x-ratelimit-")]
 
 
 @pytest.mark.parametrize("headers", [{}, auth("sk-wrong")])

@@ -244,12 +244,15 @@ async def test_redis_away_admits_on_the_local_share_without_a_charge(fleet: Flee
 
 
 async def test_an_unknown_candidate_error_still_carries_the_quotas(fleet: Fleet) -> None:
-    """A walk whose every candidate has no endpoint sent no take: the limits alone."""
+    """A walk whose every candidate has no endpoint sent no take: no quotas, so its answer
+    reads the buckets (docs/api.md: every answer carries limit, remaining and reset), not the
+    limits alone, which are for a take Redis did not answer."""
     adm = await fleet.admission()
     adm.set_endpoints("two", [])
     with pytest.raises(Unavailable) as caught:
         await admit(adm, fleet, "two", rates=limits(rpm=4))
-    assert caught.value.quotas == Quotas(Quota(4))
+    assert caught.value.quotas is None
+    assert await peek(adm, limits(rpm=4)) == Quotas(Quota(4, 4, 0))
     with pytest.raises(Limited):  # a refusal carries what the buckets said
         for _ in range(5):
             got = await admit(adm, fleet, "five", rates=limits(rpm=4))

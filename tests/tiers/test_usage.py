@@ -133,6 +133,17 @@ def test_from_fields_types_each_value() -> None:
     assert isinstance(back.cost_usd, float)
 
 
+def test_preempted_is_0_or_1_in_every_form() -> None:
+    # docs/usage.md: `preempted` is 0 or 1: in the stream, JSONL and CSV alike (a
+    # bool exported as true/false, True/False in CSV); records written before: 0.
+    flat = record(preempted=1).to_fields()
+    assert (flat["preempted"], record().to_fields()["preempted"]) == ("1", "0")
+    back = UsageRecord.from_fields(flat)
+    assert type(back.preempted) is int and back.to_json()["preempted"] == 1
+    old = {k: v for k, v in record().to_fields().items() if k != "preempted"}
+    assert type(UsageRecord.from_fields(old).to_json()["preempted"]) is int
+
+
 def test_to_json_keeps_native_types() -> None:
     data = record(user=None, estimated=True).to_json()
     assert list(data) == SPEC_FIELDS
