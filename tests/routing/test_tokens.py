@@ -216,6 +216,27 @@ async def test_a_release_under_a_shrunk_budget_hands_its_slot_on_only_when_it_fi
     assert await reserved(m) == {}
 
 
+async def test_a_release_on_an_endpoint_without_a_budget_hands_its_slot_on(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A model where one endpoint has a budget and another none (or `auto` not read yet):
+    requests carry reservations, and a release on the one without hands its slot to a
+    waiter of another size (prelude.lua `hand_on`), where it failed (comparing with the
+    whole budget it has not: the release's script error left the slot counted)."""
+    m = Model(real_redis, budgeted((None, 1000), size=1))
+    first, second = lid("h0", 100), lid("h1", 100)
+    on = {(await m.acquire(lease)).endpoint: lease for lease in (first, second)}
+    assert set(on) == {A, B}
+    waiter = lid("w", 50)
+    assert (await m.acquire(waiter, may_wait=True)).status == QUEUED
+    assert int(await m.run(m.slots.release([on[A]], endpoint=A))) == 1
+    assert await m.queue() == []
+    assert await reserved(m) == {A: 50, B: 100}
+    assert await m.release(waiter, on[B]) == 0
+    assert await reserved(m) == {}
+    assert await m.leases() == set()
+
+
 async def test_fair_share_by_tokens_serves_the_account_holding_fewer_tokens(
     real_redis: aioredis.Redis,
 ) -> None:

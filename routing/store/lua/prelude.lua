@@ -815,9 +815,10 @@ local function hand_on(gone, ep, claim_until, ceilings, fair, fracs)
     tok = tonumber(redis.call('HGET', EP_TOK, ep)) or 0
   end
   -- Held to the budget as `take_slot` holds a new lease, also for a waiter smaller than
-  -- `gone`: a budget that shrank under its leases may still be short.
-  local alone = tok == t and t <= whole
-  if budget and t > 0 and tok > budget * (fracs[head.rank + 1] or 1) and not alone then
+  -- `gone`: a budget that shrank under its leases may still be short. (`whole` is nil where
+  -- there is no budget: an endpoint without one, or `auto` not read yet.)
+  local over = budget and t > 0 and tok > budget * (fracs[head.rank + 1] or 1)
+  if over and not (tok == t and t <= whole) then
     if delta ~= 0 then redis.call('HINCRBY', EP_TOK, ep, -delta) end
     return false
   end
