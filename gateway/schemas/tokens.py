@@ -7,6 +7,7 @@ error never accumulates, since a release gives back exactly what was reserved.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -68,7 +69,13 @@ def _content(content: Any) -> int:
 def _tools(tools: list[FunctionTool] | None) -> int:
     if not tools:
         return 0
-    return -(-len(orjson.dumps([t.model_dump(mode="json") for t in tools])) // BYTES_PER_TOKEN)
+    dumped = [t.model_dump(mode="json") for t in tools]
+    try:
+        size = len(orjson.dumps(dumped))
+    except TypeError:  # an integer past 64 bits, which the edge keeps exact (its stdlib path)
+        text = json.dumps(dumped, ensure_ascii=False, separators=(",", ":"))
+        size = len(text.encode("utf-8", "surrogatepass"))
+    return -(-size // BYTES_PER_TOKEN)
 
 
 def _text(text: str) -> int:

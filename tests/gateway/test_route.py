@@ -301,3 +301,12 @@ def test_fuzzed_bodies_never_5xx_and_never_leak(
         assert resp.json()["detail"][0]["loc"][0] == "body"
         assert resp.json()["error"]["code"] == "invalid_request"
     assert loop.run_until_complete(leases_left(app)) == 0
+
+
+async def test_tools_with_an_integer_past_64_bits_are_served_not_a_500() -> None:
+    """SPEC 4: any body gets a 4xx or a 2xx, never a 5xx from the gateway itself; the token
+    estimate of a chat's tools (gateway/schemas/tokens.py) must take what the edge took."""
+    app, _ = make_app()
+    tools = b'[{"type": "function", "function": {"name": "f", "parameters": {"m": 1' + b"0" * 30
+    resp = await send(app, BASE + b', "tools": ' + tools + b"}}}]}", uuid.uuid4().hex)
+    assert resp.status_code == 200, resp.text

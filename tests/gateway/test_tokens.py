@@ -61,3 +61,13 @@ def test_a_chats_tools_count_as_the_prompt_they_become() -> None:
     bare, offered = prompt_tokens(chat("abcd")), prompt_tokens(chat("abcd", tools=tools))
     assert offered - bare >= len(str(schema)) // 8  # compact JSON, over 4, and then some
     assert prompt_tokens(chat("abcd", tools=[])) == bare
+
+
+def test_tools_holding_an_integer_past_64_bits_are_counted() -> None:
+    # The edge keeps such an integer exact (the stdlib parser; orjson would make it a lossy
+    # float) and forwards it: its estimate must count it, not fail (a 500 for a valid body).
+    big = 10**30
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": big}}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
+    bare, offered = prompt_tokens(chat("abcd")), prompt_tokens(chat("abcd", tools=tools))
+    assert offered - bare >= len(str(big)) // 4
