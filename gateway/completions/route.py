@@ -163,20 +163,28 @@ class CompletionRoute:
             exchange.finished = True
             await crashed(exc, parsed.rid, reply, exchange.stream, exchange.headers)
         finally:
-            self._release(parsed, admitted, exchange)
+            self._release(parsed, admitted, exchange, observe=preempted is None)
         if preempted is None:
             return None
-        again = await requeued(self._state, parsed, exchange, admitted)
-        if again is None:  # its 429 was counted with its admission's (`_observe`)
+        again = None
+        try:
+            again = await requeued(self._state, parsed, exchange, admitted)
+        finally:  # its answer is counted once: the 429 here, else its second admission's
+            if again is None:
+                self._observe(admitted, exchange, parsed.note)
+        if again is None:
             error = from_routing(preempted)
             model, tier = admitted.candidate.model.name, admitted.tier.value
             self._state.metrics.rejections.labels(model, tier, error.code).inc()
             await send_error(reply, error, parsed.rid, exchange.headers)
         return again
 
-    def _release(self, parsed: Parsed, admitted: Admitted, exchange: Exchange) -> None:
+    def _release(
+        self, parsed: Parsed, admitted: Admitted, exchange: Exchange, *, observe: bool = True
+    ) -> None:
         """The slot back with the usage record (and the rate limits' true-up), in one round
-        trip, whatever the record holds."""
+        trip, whatever the record holds; its answer counted (`observe`: not for one
+        preempted, which may be queued again and answered later)."""
         admission = self._state.admission
         record: dict[str, str] | None = None
         try:
@@ -184,7 +192,8 @@ class CompletionRoute:
         except Exception as exc:  # the slot must go back whatever the record holds
             admission.ledger.record_lost(parsed.rid, f"not built ({type(exc).__name__})")
         admission.release(admitted.lease, record, admitted.rate, preempted=exchange.preempted)
-        self._observe(admitted, exchange, parsed.note)
+        if observe:
+            self._observe(admitted, exchange, parsed.note)
 
     async def _admit(self, parsed: Parsed) -> Admitted:
         request, account = parsed.request, parsed.account

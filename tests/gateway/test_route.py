@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import fakeredis
 import httpx
 import orjson
 import pytest
@@ -17,11 +18,22 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.app.front import build_app
 from gateway.completions import hop, route
+from gateway.runtime.settings import parse_config
+from gateway.runtime.state import GatewayState
 from routing.errors import Preempted
 from routing.ledger.records import USAGE_STREAM
 from tests.gateway.json_text import bodies
-from tests.gateway.test_app import KEY, STREAM, ScriptedResponse, _settled, make_app
+from tests.gateway.test_app import (
+    CONFIG,
+    KEY,
+    STREAM,
+    ScriptedResponse,
+    ScriptedUpstream,
+    _settled,
+    make_app,
+)
 
 CHAT = "/v1/chat/completions"
 BASE = b'{"model": "m1", "messages": [{"role": "user", "content": "secret prompt"}]'
@@ -310,3 +322,33 @@ async def test_tools_with_an_integer_past_64_bits_are_served_not_a_500() -> None
     tools = b'[{"type": "function", "function": {"name": "f", "parameters": {"m": 1' + b"0" * 30
     resp = await send(app, BASE + b', "tools": ' + tools + b"}}}]}", uuid.uuid4().hex)
     assert resp.status_code == 200, resp.text
+
+
+async def test_a_preempted_flex_request_served_on_its_second_admission_counts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tiers.flex.on_preempt: requeue: a request preempted, queued again and then served
+    counts once in gateway_requests_total, with the answer its caller got (200), not also
+    a 429 it never saw (nor a second duration)."""
+    config = parse_config(CONFIG + "tiers: {flex: {on_preempt: requeue}}\n", "unit.yaml")
+    state = GatewayState(config, redis=fakeredis.FakeAsyncRedis(), upstream=ScriptedUpstream())  # type: ignore[arg-type]
+    app = build_app(state)
+    tries: list[int] = []
+    real = route.unless_preempted
+
+    async def preempted_once(hop: Any, *args: Any) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            hop.close()
+            raise Preempted("taken by a request of a higher tier", 1)
+        await real(hop, *args)
+
+    monkeypatch.setattr(route, "unless_preempted", preempted_once)
+    resp = await send(app, BASE + b', "service_tier": "flex"}', uuid.uuid4().hex)
+    assert resp.status_code == 200, resp.text
+    assert len(tries) == 2
+    assert requests_counted(app, "m1", "flex", "200") == 1
+    assert requests_counted(app, "m1", "flex", "429") == 0
+    registry = app.state.metrics.registry
+    labels = {"model": "m1", "tier": "flex"}
+    assert registry.get_sample_value("gateway_request_duration_seconds_count", labels) == 1
