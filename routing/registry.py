@@ -65,7 +65,7 @@ class EndpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     url: HttpUrl
-    max_concurrency: int = Field(ge=1, le=100_000)
+    max_concurrency: Annotated[int, NotBool] = Field(ge=1, le=100_000)
     # The name the worker serves the model under (vLLM --served-model-name); default: ours.
     model: str | None = Field(None, min_length=1, max_length=256)
     # Credentials for the worker itself (vLLM --api-key); never the caller's key.
@@ -113,7 +113,7 @@ class ModelConfig(BaseModel):
 
     # A tier must be listed here to apply; `default` always applies.
     tiers: tuple[Tier, ...] = (Tier.DEFAULT,)
-    max_queue: int = Field(100, ge=0, le=1_000_000)
+    max_queue: Annotated[int, NotBool] = Field(100, ge=0, le=1_000_000)
     price: PriceConfig = PriceConfig()
     worker_priority: bool = False
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)

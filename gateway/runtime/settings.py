@@ -91,9 +91,9 @@ class KeyConfig(BaseModel):
 
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$", repr=False)
     account: str = Field(min_length=1, max_length=128)
-    max_concurrency: int = Field(200, ge=1, le=1_000_000)
+    max_concurrency: Annotated[int, NotBool] = Field(200, ge=1, le=1_000_000)
     # Its share when several accounts wait in one tier of a model (fair share).
-    weight: float = Field(1.0, gt=0.0, le=MAX_WEIGHT)
+    weight: Annotated[float, NotBool] = Field(1.0, gt=0.0, le=MAX_WEIGHT)
     models: tuple[str, ...] | None = None
     tiers: tuple[Tier, ...] | None = None
     # This key's own rate limits: requests and tokens (prompt + completion) per minute.

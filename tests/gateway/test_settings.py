@@ -412,3 +412,14 @@ def test_rate_limits_are_whole_numbers_never_booleans(where: str, limit: str) ->
     cfg = parse(raw("${LIMIT}"), {"LIMIT": "600"})  # from the environment: a string
     found = cfg.keys[0] if where == "keys" else cfg.accounts["acme"]
     assert getattr(found, limit) == 600
+
+
+@pytest.mark.parametrize("field", ["max_concurrency", "weight"])
+def test_a_keys_concurrency_and_weight_are_never_booleans(field: str) -> None:
+    # `max_concurrency: yes` would hold the account to one request in flight.
+    key = {"sha256": "ab" * 32, "account": "acme"}
+    for bad in (True, False):
+        message = config_error(config_dict(keys=[{**key, field: bad}]))
+        assert message.startswith(f"test.yaml: keys.0.{field}: ")
+        assert "not true or false" in message
+    assert getattr(parse(config_dict(keys=[{**key, field: 3}])).keys[0], field) == 3

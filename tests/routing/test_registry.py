@@ -104,3 +104,12 @@ def test_a_boolean_is_no_number(fields: dict[str, Any]) -> None:
     # YAML's `yes` would otherwise be the number 1: a budget of 1 token, one partition.
     with pytest.raises(ValueError, match="not true or false"):
         model_config(4, 4, **fields)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_no_size_nor_queue_bound(value: bool) -> None:
+    # `max_concurrency: yes` would be one slot, `max_queue: no` a model that never queues.
+    with pytest.raises(ValueError, match="not true or false"):
+        model_config(value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not true or false"):
+        model_config(4, max_queue=value)
