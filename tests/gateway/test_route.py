@@ -316,7 +316,7 @@ def test_fuzzed_bodies_never_5xx_and_never_leak(
 
 
 async def test_tools_with_an_integer_past_64_bits_are_served_not_a_500() -> None:
-    """SPEC 4: any body gets a 4xx or a 2xx, never a 5xx from the gateway itself; the token
+    """Any body gets a 4xx or a 2xx, never a 500 from the gateway itself (docs/api.md); the token
     estimate of a chat's tools (gateway/schemas/tokens.py) must take what the edge took."""
     app, _ = make_app()
     tools = b'[{"type": "function", "function": {"name": "f", "parameters": {"m": 1' + b"0" * 30
