@@ -203,11 +203,15 @@ class Admission:
         return Walk(lease_id, account, account_key(account), limit, cache_key, reserved)
 
     async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
-        """The walk; Redis away, the outage's answer."""
+        """The walk; Redis away, the outage's answer, unless the caller's deadline passed
+        meanwhile (a stalled call fails after it): then that is the answer."""
         try:
             return await self._walk(walk, candidates, self._clock())
         except STORE_ERRORS as exc:
             self.store_errors.report(exc, "admission", refused=True)
+            if walk.deadline is not None and self._clock() >= walk.deadline:
+                retry = self.retry_after(walk.at, 0)
+                raise refusals.deadline_passed(walk.at, walk.deadline_s, retry) from exc
             ours = (walk.lease_id, walk.akey, self.holdings, exc, walk.tokens)
             cand, lease = self.outage.admit(candidates, *ours)
             return Admitted(lease, cand, cand.tier)
