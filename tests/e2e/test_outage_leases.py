@@ -1,7 +1,7 @@
 """What a replica admitted on its local share (`redis.on_outage: local`) while Redis was away,
 once Redis is back: those requests still run on the workers, so Redis must count them again
-(written back by the sweep, as every lease a replica holds: SPEC 4, "Guarantees under
-faults"), or the replicas admit the whole capacity again on top of them. Read from the
+(written back by the sweep, as every lease a replica holds: docs/architecture.md, "What
+each fault does"), or the replicas admit the whole capacity again on top of them. Read from the
 worker's own counters and from Redis itself; one usage record per admission, with its
 reservation."""
 
