@@ -85,6 +85,8 @@ class Hop:
         lease, pools = self._admitted.lease, self._state.pools
         if lease.local:
             endpoint = pools.pick(lease.model)
+            if endpoint is not None:
+                self._state.admission.place(lease, endpoint.url)
         else:
             endpoint = pools.find(lease.model, lease.endpoint)
             if endpoint is None and await self._reroute(lease.endpoint):

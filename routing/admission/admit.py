@@ -107,9 +107,9 @@ class Admission:
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.timing = Timing.of(lease_ttl_s, sweep_interval_s, command_timeout_s)
         self._tiers, self._clock, self._ids = tiers, clock, itertools.count()
-        self.holdings = Holdings()
+        self.holdings, self.retry = Holdings(), RetryAfter()
         self.outage = Outage(on_outage, LocalShares(self.replica_id, tiers))
-        self.retry = RetryAfter()
+        self.local = self.outage.local
         # The config's models as slots (routing/admission/layout.py): the same dicts always.
         self.layout = Layout(self.timing, declare_all=not store.one_node)
         self.slots, self.rotations, self.model_of = (
@@ -128,10 +128,6 @@ class Admission:
     @property
     def rates(self) -> Rates:
         return self.acquire.rates
-
-    @property
-    def local(self) -> LocalShares:
-        return self.outage.local
 
     @property
     def held(self) -> dict[str, Lease]:
@@ -197,14 +193,9 @@ class Admission:
             self.rates.give_back(walk.charge)
 
     def _walk_of(
-        self,
-        candidates: Sequence[Candidate],
-        account: str,
-        limit: int,
-        cache_key: str | None,
-        weight: float,
-        tokens: TokenAsk | None,
-    ) -> Walk:
+        self, candidates: Sequence[Candidate], account: str, limit: int, cache_key: str | None,
+        weight: float, tokens: TokenAsk | None,
+    ) -> Walk:  # fmt: skip
         """A new walk, its lease id carrying its account, weight and reservation."""
         reserved = self.reservation(candidates, tokens)
         prefix = f"{self.replica_id}-{next(self._ids)}"
@@ -212,14 +203,17 @@ class Admission:
         return Walk(lease_id, account, account_key(account), limit, cache_key, reserved)
 
     async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
-        """The walk; Redis away, the outage's answer."""
+        """The walk; Redis away, the outage's answer, unless the caller's deadline passed
+        meanwhile (a stalled call fails after it): then that is the answer."""
         try:
             return await self._walk(walk, candidates, self._clock())
         except STORE_ERRORS as exc:
             self.store_errors.report(exc, "admission", refused=True)
-            cand, lease = self.outage.admit(
-                candidates, walk.lease_id, walk.akey, self.holdings, exc
-            )
+            if walk.deadline is not None and self._clock() >= walk.deadline:
+                retry = self.retry_after(walk.at, 0)
+                raise refusals.deadline_passed(walk.at, walk.deadline_s, retry) from exc
+            ours = (walk.lease_id, walk.akey, self.holdings, exc, walk.tokens)
+            cand, lease = self.outage.admit(candidates, *ours)
             return Admitted(lease, cand, cand.tier)
 
     async def _walk(
@@ -323,6 +317,10 @@ class Admission:
         settle = self.rates.settle(rate, usage) if rate is not None else None
         also = [settle] if settle is not None else []
         return self.handback.release(lease, usage, also + self.preemptions.done(lease, preempted))
+
+    def place(self, lease: Lease, endpoint: str) -> None:
+        """The outage's local `lease` runs on `endpoint` (written back when Redis is)."""
+        lease.endpoint, lease.part = endpoint, self.layout.part_of.get((lease.model, endpoint), "")
 
     async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
         """Move a held slot off an endpoint that could not be reached (or that this replica

@@ -81,7 +81,7 @@ class Handback:
             usage = encodable(usage)
             usage["attempt"] = lease.id
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if lease.local:
+        if not lease.endpoint:  # a local lease never placed: Redis never held it
             self._spool(usage)
             released.set_result(None)
             return released

@@ -103,9 +103,11 @@ class Holdings:
         return sum(1 for lease in self.held.values() if lease.model == model)
 
     def leases_by_model(self) -> dict[str, list[tuple[str, str]]]:
+        """Leases by the slots that hold them; an outage's local lease once it is placed on
+        an endpoint (its slot runs there: counted when Redis answers again)."""
         found: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for lease in self.held.values():
-            if not lease.local:
+            if lease.endpoint:
                 found[lease.keys].append((lease.id, lease.endpoint))
         return found
 
@@ -121,7 +123,7 @@ class Holdings:
         """This replica's entries in each account's count: running and under way."""
         found: dict[str, list[str]] = defaultdict(list)
         for lease in self.held.values():
-            if not lease.local:
+            if lease.endpoint:  # placed (local ones too: above)
                 found[lease.account].append(lease.id)
         for lease_id, account in self.walking.items():
             found[account].append(lease_id)

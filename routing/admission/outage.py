@@ -39,8 +39,10 @@ class Outage:
         akey: str,
         holdings: Holdings,
         exc: BaseException,
+        tokens: int = 0,
     ) -> tuple[Candidate, Lease]:
-        """Redis did not answer the walk (`exc`): 503, or the local share's lease."""
+        """Redis did not answer the walk (`exc`): 503, or the local share's lease (reserving
+        `tokens`, as its id says)."""
         holdings.waiters.pop(lease_id, None)
         if self.mode != "local":
             raise Unavailable(
@@ -48,7 +50,7 @@ class Outage:
                 UnavailableReason.STORE_UNREACHABLE,
             ) from exc
         try:
-            return self.local.admit(candidates, lease_id, akey, holdings)
+            return self.local.admit(candidates, lease_id, akey, holdings, tokens)
         except RoutingError as refused:
             raise refused from exc
 
@@ -90,10 +92,16 @@ class LocalShares:
         return holding < ceiling
 
     def admit(
-        self, candidates: Sequence[Candidate], lease_id: str, akey: str, holdings: Holdings
+        self,
+        candidates: Sequence[Candidate],
+        lease_id: str,
+        akey: str,
+        holdings: Holdings,
+        tokens: int = 0,
     ) -> tuple[Candidate, Lease]:
         """The first candidate this replica's share has room for, with its local lease (held
-        in `holdings`); else why not, about the last candidate."""
+        in `holdings`; once its hop places it on an endpoint, the sweeps write it back when
+        Redis answers again); else why not, about the last candidate."""
         last: RoutingError | None = None
         for cand in candidates:
             model, tier = cand.model.name, cand.tier
@@ -104,7 +112,7 @@ class LocalShares:
                     UnavailableReason.NO_LOCAL_SHARE,
                 )
             elif self.room(model, tier, holdings.holding(model)):
-                lease = Lease(lease_id, model, "", akey, 0.0, local=True)
+                lease = Lease(lease_id, model, "", akey, 0.0, local=True, tokens=tokens)
                 holdings.held[lease.id] = lease
                 return cand, lease
             else:
