@@ -289,12 +289,11 @@ class ModelSlots:
             args += (lease_id, endpoint if len(ids) == 1 else "")
         return ("release", keys, args)
 
-    def cancel(self, waiter_id: str, rank: int = 1) -> Call:
-        """A waiter of tier `rank` leaves. Reply: an integer if it was still queued (now
-        removed): the grants likely before it if it queued again; else its granted endpoint
-        ('' for an id Redis does not know)."""
-        fair = int(self._fair[rank] != "f")
-        return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, fair])
+    def cancel(self, waiter_id: str) -> Call:
+        """A waiter leaves. Reply: an integer if it was still queued (now removed): the
+        grants likely before it if it queued again; else its granted endpoint ('' for an id
+        Redis does not know)."""
+        return ("cancel", self._key, [waiter_id, self._timing.lease_ttl_ms, self._fair])
 
     def preemptible(self, tier: Tier) -> bool:
         """Whether a lease of `tier` may be preempted until its request starts (`start`)."""
@@ -308,7 +307,7 @@ class ModelSlots:
     def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
         """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
         flat = [x for pair in leases for x in pair]
-        return ("claim", self._key, [self._timing.lease_ttl_ms, *flat])
+        return ("claim", self._key, [self._timing.lease_ttl_ms, self._fair, *flat])
 
     def sweep(self, leases: Sequence[tuple[str, str]], waiters: Sequence[tuple[str, int]]) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
@@ -342,7 +341,7 @@ class ModelSlots:
         urls = [u for u in only if u != avoid and u in self._spec] if only is not None else []
         if only is not None and not urls:
             urls = [""]  # none to choose from: a name no endpoint has
-        args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls]
+        args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls, self._fair]
         return ("move", self._key, args)
 
 

@@ -12,7 +12,6 @@ import asyncio
 
 from routing.admission.handback import Handback
 from routing.admission.holdings import Waiter
-from routing.admission.slots import RANK
 from routing.errors import Unavailable, UnavailableReason
 from routing.store.wire import text
 
@@ -56,11 +55,11 @@ class Waiting:
             endpoint = waiter.future.result()
             self.handback.claim(lease_id, model, endpoint)
             return endpoint
-        return await self._cancel(lease_id, model, place // RANK)
+        return await self._cancel(lease_id, model)
 
-    async def _cancel(self, lease_id: str, model: str, rank: int) -> str | int:
+    async def _cancel(self, lease_id: str, model: str) -> str | int:
         """Timed out; the slot may have been granted just now (its message still on the way)."""
-        sent = self.scripts.send(self.store, [self.slots[model].cancel(lease_id, rank)])
+        sent = self.scripts.send(self.store, [self.slots[model].cancel(lease_id)])
         reply = (await self.handback.outliving(sent, lease_id, model, None))[0]
         if isinstance(reply, Exception):
             self.handback.give_back(lease_id, model, None)

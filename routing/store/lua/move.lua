@@ -2,11 +2,13 @@
 -- without giving the slot up (a release would hand it to the queue head first).
 -- ARGV: 1 lease_id, 2 ttl_ms, 3 the endpoint it is on, 4 k, 5.. k endpoints it may go to
 -- (the least loaded of them with room, the first among equals: those the replica knows;
--- with k 0 the least loaded of all but `avoid`).
+-- with k 0 the least loaded of all but `avoid`), 5 + k each tier's way of sharing (prelude:
+-- `fair_modes`).
 -- Returns the new endpoint, or '' when none has room (the lease stays where it was).
 local now = now_ms()
-expire(now)
 local id, avoid, k = ARGV[1], ARGV[3], tonumber(ARGV[4])
+fair_modes(ARGV[5 + k])
+expire(now)
 -- The endpoint to move to: the least loaded of the k with room, else (k 0) the least
 -- loaded other than `avoid`; nil when none. O(k): a move is rare (a worker unreachable).
 local function choose()

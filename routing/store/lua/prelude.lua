@@ -854,6 +854,19 @@ local function words(s)
   return t
 end
 
+-- Each tier's way of sharing from its letters, best first ('a', 't' or false for 'f': as
+-- `parse_spec`), set as `modes` too: for the scripts given only these (cancel, claim, move),
+-- so that an account's entry they write in a tier's index is by that tier's own measure.
+local function fair_modes(letters)
+  local fair = {}
+  for i = 1, #letters do
+    local letter = string.sub(letters, i, i)
+    fair[i] = letter ~= 'f' and letter
+  end
+  modes = fair
+  return fair
+end
+
 -- What pumping needs, in one argument read only when someone waits (an argument costs a
 -- script about 170 ns whether read or not), as words (`words`) from index `at`:
 -- "claim_ms n ceiling.. fair frac..", the tiers' ceilings best first, then one letter per
