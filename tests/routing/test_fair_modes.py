@@ -90,3 +90,23 @@ async def test_a_move_reclaiming_leases_keeps_tokens_claims(real_redis: aioredis
     await m.sweep()  # one slot free: small holds 200 tokens, big 2000
     assert ws in await m.leases()
     assert wb not in await m.leases()
+
+
+async def test_a_reload_to_another_fairness_rescores_the_waiting_accounts(
+    real_redis: aioredis.Redis,
+) -> None:
+    """`tokens` -> `accounts` mid-queue: big's entry was scored by its 1000 tokens, small's
+    by its 30. Once the replicas swept (within a second of the reload), big holding one
+    lease against small's three gets the next slot, not only after its own lease ends."""
+    m = Model(real_redis, by_tokens())
+    small = [lid(f"S{i}", 10, "small") for i in range(3)]
+    for lease in [lid("B0", 1000, "big"), *small]:
+        assert (await m.acquire(lease)).status == GRANTED
+    ws = [lid(f"ws{i}", 10, "small") for i in range(2)]
+    wb = lid("wb", 10, "big")
+    for waiter in [*ws, wb]:
+        assert (await m.acquire(waiter, may_wait=True)).status == QUEUED
+    m.slots.configure(UTILIZATION, 100, {t: "accounts" for t in Tier})
+    await m.sweep()
+    await m.release(small[0])  # small holds 2 leases, big 1
+    assert wb in await m.leases()

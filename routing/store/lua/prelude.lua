@@ -32,7 +32,8 @@
 --          learns whether to pump in one HINCRBY, and the acquire reads it with the loads;
 --          `~v`: the version of the endpoint index (index.lua), absent until it is written;
 --          and `~w0` `~w1` `~w2`: the waiters queued per tier (`waiting_counts`), which
---          every change of the queue keeps and every sweep sets from the queue itself
+--          every change of the queue keeps and every sweep sets from the queue itself;
+--          `~m`: the tiers' ways of sharing the fair indexes were last scored by (sweep.lua)
 -- seq      STRING queue sequence
 -- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
 --          waiters of a dead replica leave the queue within the waiter TTL

@@ -45,6 +45,32 @@ local function mend_waits(waiting)
   set_waits(real)
 end
 
+-- The fair tiers' indexes scored again by what each waiting account holds, by its tier's
+-- measure now, when the tiers' ways of sharing (`fair`, from the spec) differ from those the
+-- indexes were scored by (`~m` in `ep_load`): after a reload that changes `fairness`, an
+-- entry scored by leases would be compared with others' tokens (or the other way round)
+-- until its account's next grant or release. O(waiting accounts), once per change.
+local function rescore_fair(fair)
+  local letters = ''
+  for i = 1, #fair do letters = letters .. (fair[i] or 'f') end
+  local was = redis.call('HGET', EP_LOAD, '~m')
+  if was == letters then return end
+  redis.call('HSET', EP_LOAD, '~m', letters)
+  for rank = 0, #fair - 1 do
+    local index = account_index(rank)
+    for _, entry in ipairs(fair[rank + 1] and redis.call('ZRANGE', index, '0', '-1') or {}) do
+      local acct = string.sub(entry, 17)
+      local head = redis.call('ZRANGE', account_queue(rank, acct), '0', '0')[1]
+      if head then
+        local _, weight = account_of(head)
+        redis.call('ZADD', index, held_of(acct, rank) / weight, entry)
+      else
+        redis.call('ZREM', index, entry)
+      end
+    end
+  end
+end
+
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', QUEUE) > 0
@@ -104,7 +130,10 @@ for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
 end
 waiting = waiting or requeued > 0
 mend_waits(waiting)
-if waiting then pump((now + claim) .. '', ceilings, fair, fracs) end
+if waiting then
+  rescore_fair(fair)
+  pump((now + claim) .. '', ceilings, fair, fracs)
+end
 -- Preemption's marks that outlived their use: a lease that has not started within two lease
 -- TTLs is no longer offered (its request is slow, or ended without saying), a preempted
 -- one whose holder never gave it back (it died) is reclaimed by its expiry anyway.
