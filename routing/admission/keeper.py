@@ -72,7 +72,8 @@ class Keeper:
     # A sweep round longer than this is cut (and counted): it never waits on a stall.
     round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
-    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them.
+    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them; an
+    # endpoint no longer configured leaves once it reads 0 (`_saw_reserved`).
     reserved: dict[tuple[str, str], int] = field(default_factory=dict)
     # The partitions whose last read found tokens reserved (read until none are).
     _reserving: set[str] = field(default_factory=set)
@@ -139,10 +140,7 @@ class Keeper:
         orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
         orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
         self._rounds += 1
-        reserved = []
-        if self._rounds % RESERVED_EVERY == 1:
-            # And those that had reservations: what an endpoint out of rotation held ends.
-            reserved = [m for m in models if adm.slots[m].budgeted or m in self._reserving]
+        reserved = self._reads(models) if self._rounds % RESERVED_EVERY == 1 else []
         reads: list[Call] = [("HGETALL", [adm.slots[m].reserved_key], []) for m in reserved]
         return _Round(
             calls + orphan_calls + reads,
@@ -204,10 +202,23 @@ class Keeper:
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
 
+    def _reads(self, models: Sequence[str]) -> list[str]:
+        """The partitions whose reserved tokens a round reads: those with a budget, those
+        whose last read found reservations (what an endpoint out of rotation held ends),
+        and those of endpoints a reload took away (read until they leave `reserved`)."""
+        layout = self.admission.layout
+        gone = {layout.part_of.get(p, p[0]) for p in self.reserved if p not in layout.configured}
+        return [
+            m
+            for m in models
+            if self.admission.slots[m].budgeted or m in self._reserving or m in gone
+        ]
+
     def _saw_reserved(self, part: str, reply: Any) -> None:
         """A partition's tokens reserved per endpoint, for the endpoints this replica knows
         (a metric's label values come from its config, never from Redis): those in rotation
-        and those told before (out of rotation, or gone with a reload, their leases end)."""
+        and those told before (out of rotation, or gone with a reload, their leases end);
+        one gone from the config leaves once nothing is reserved there."""
         adm = self.admission
         model = adm.model_of.get(part, part)
         known = set(adm.slots[part].urls)
@@ -221,7 +232,11 @@ class Keeper:
         )
         values = {text(url): int(tokens) for url, tokens in found.items()}
         for url in known:
-            self.reserved[model, url] = values.get(url, 0)
+            tokens = values.get(url, 0)
+            if tokens or (model, url) in adm.layout.configured:
+                self.reserved[model, url] = tokens
+            else:  # gone from the config, nothing reserved there: no longer shown
+                self.reserved.pop((model, url), None)
         if any(values.get(url, 0) for url in known):
             self._reserving.add(part)
         else:

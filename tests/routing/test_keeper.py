@@ -271,3 +271,53 @@ async def test_the_tokens_reserved_on_an_endpoint_out_of_rotation_are_still_read
         assert keeper.reserved["tb", url] == 0
     finally:
         await fleet.close()
+
+
+async def sweeps_reading_reserved(keeper: Keeper) -> None:
+    """Enough sweeps that one of them reads the reserved tokens."""
+    for _ in range(RESERVED_EVERY):
+        await bounded(keeper.sweep_once())
+
+
+async def test_an_endpoint_a_reload_removed_leaves_the_reserved_tokens_once_they_end(
+    real_redis: aioredis.Redis,
+) -> None:
+    """An endpoint a reload takes away is read while its reservations end, then dropped
+    (its series goes too: tests/gateway/test_budgets.py); one still configured stays at 0,
+    out of rotation or not. So is a whole model a reload took away."""
+    both = BUDGETED + (
+        "  tc:\n    max_tokens_default: 10\n    endpoints:\n"
+        '      - {url: "http://tc-a:8000", max_concurrency: 2, max_tokens_in_flight: 1000}\n'
+    )
+    config = parse_config(both, "t.yaml")
+    fleet = Fleet(config, Registry(config.models), real_redis)
+    try:
+        adm = await fleet.admission()
+        keeper = keeper_of(fleet, adm)
+        admitted = await bounded(adm.admit(fleet.plan("tb"), "t-acme", 10, tokens=TokenAsk(90)))
+        url = admitted.lease.endpoint
+        other = next(u for u in ("http://tb-a:8000", "http://tb-b:8000") if u != url)
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {
+            ("tb", url): 100,
+            ("tb", other): 0,
+            ("tc", "http://tc-a:8000"): 0,
+        }
+        # A reload: `url` leaves tb's endpoints (its lease runs on), tc leaves the config.
+        # As the gateway applies it: the config, then the endpoints in rotation.
+        endpoint = f'{{url: "{other}", max_concurrency: 2, max_tokens_in_flight: 1000}}'
+        kept = f"models: {{tb: {{max_tokens_default: 10, endpoints: [{endpoint}]}}}}"
+        reloaded = parse_config(kept, "t.yaml")
+        adm.apply(Registry(reloaded.models), reloaded.tiers)
+        adm.set_endpoints("tb", [(other, 2, 0.0, 1000)])
+        adm.set_endpoints("tc", [])
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", url): 100, ("tb", other): 0}  # still held there
+        await bounded(adm.release(admitted.lease))
+        await bounded(adm.drain())
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", other): 0}
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", other): 0}  # and nothing comes back
+    finally:
+        await fleet.close()
