@@ -60,6 +60,8 @@ class _Round:
     indexed: list[str]
     # The models (or partitions) whose reserved tokens this round reads, at its end.
     reserved: list[str] = field(default_factory=list)
+    # The leases whose start this round tells Redis again (after the accounts' calls).
+    started: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -136,6 +138,8 @@ class Keeper:
         ttl = adm.timing.lease_ttl_ms
         holdings.prune(2 * ttl / 1000)
         calls += [("account_keep", [key], [ttl, *ids]) for key, ids in entries.items()]
+        started, starts = adm.preemptions.unheard()
+        calls += starts
         orphan_models, orphan_accounts = holdings.orphans_by_model()
         orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
         orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
@@ -152,6 +156,7 @@ class Keeper:
             {m: len(ls) for m, ls in leases.items()},
             list(indexes),
             reserved,
+            started,
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
@@ -180,6 +185,8 @@ class Keeper:
             adm.local.saw([text(r) for r in replies[at]])
         for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
             adm.handback.recheck(reply, None, key)
+        at += 1 + len(work.accounts)
+        adm.preemptions.heard(work.started, replies[at : at + len(work.started)])
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
         reads = tail[len(tail) - len(work.reserved) :] if work.reserved else []
         tail = tail[: len(tail) - len(work.reserved)]

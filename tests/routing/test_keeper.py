@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from gateway.runtime.settings import parse_config
@@ -26,6 +27,7 @@ from routing.registry import Registry
 from routing.store.causes import StoreErrors
 from tests.conftest import REDIS_URL
 from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, intercept
+from tiers.policy import Tier
 
 RID = "t-keeper-"
 
@@ -321,3 +323,34 @@ async def test_an_endpoint_a_reload_removed_leaves_the_reserved_tokens_once_they
         assert keeper.reserved == {("tb", other): 0}  # and nothing comes back
     finally:
         await fleet.close()
+
+
+async def test_a_sweep_tells_redis_a_flex_request_began_where_its_check_went_unanswered(
+    fleet: Fleet,
+) -> None:
+    """The check before a flex request's first byte got no answer: it began all the same
+    (routing/admission/preemption.py). Redis still offers its lease to preemption until
+    the next sweep that reaches it tells it the request started."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    admitted = await admit(adm, fleet.plan("two"), Tier.FLEX)
+    assert admitted.preemptible
+    lease = admitted.lease
+    down = {"start": True}
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if down["start"] and calls[0][0] == "start":
+            raise RedisConnectionError("connection lost")
+        return await send()
+
+    intercept(adm, around)
+    adm.preemptions.watch(lease.id)
+    assert await bounded(adm.preemptions.started(lease))
+    pre, member = adm.slots[lease.keys].pre_key, f"{lease.id} {lease.endpoint}"
+    assert await fleet.redis.zscore(pre, member) is not None  # still offered
+    down["start"] = False
+    await bounded(keeper.sweep_once())
+    assert await fleet.redis.zscore(pre, member) is None
+    await bounded(adm.release(lease))
+    await bounded(adm.drain())
+    await fleet.assert_clean()
