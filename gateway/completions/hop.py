@@ -125,7 +125,7 @@ class Hop:
         lease = self._admitted.lease
         pool = self._state.pools.for_model(lease.model)
         known = [e.url for e in pool.endpoints] if pool is not None else []
-        return await self._state.admission.reroute(lease, avoid, known)
+        return await self._state.admission.reroute(lease, avoid, known, tier=self._admitted.tier)
 
     async def _post(self, endpoint: Endpoint) -> HopResponse:
         headers = _worker_headers(endpoint, self._exchange)

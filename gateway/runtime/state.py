@@ -75,6 +75,8 @@ class GatewayState:
         self.draining = False
         self._watcher: ConfigWatcher | None = None
         self._publisher: asyncio.Task[None] | None = None
+        # The (model, endpoint) pairs `gateway_tokens_reserved` has a series for.
+        self._reserved_shown: set[tuple[str, str]] = set()
 
     def _admission(self, sweep_interval_s: float) -> tuple[Admission, Keeper]:
         redis = self.config.redis
@@ -218,6 +220,20 @@ class GatewayState:
             self.keeper.resubscribe()
         log.info("config reloaded: %d models", len(config.models))
 
+    def _refresh_reserved(self) -> None:
+        """`gateway_tokens_reserved` as the keeper last read it. An endpoint it no longer
+        reads (gone from the config, nothing reserved there) loses its series; shared
+        between workers, where prometheus-client cannot remove one, it says NaN."""
+        gauge, reserved = self.metrics.tokens_reserved, self.keeper.reserved
+        for model, url in self._reserved_shown - reserved.keys():
+            if self.metrics.shared_dir is None:
+                gauge.remove(model, url)
+            else:
+                gauge.labels(model, url).set(math.nan)
+        for (model, url), tokens in reserved.items():
+            gauge.labels(model, url).set(tokens)
+        self._reserved_shown = set(reserved)
+
     def _budgeted(self) -> set[tuple[str, str]]:
         """The (model, endpoint) pairs the config gives a token budget."""
         return {
@@ -282,8 +298,7 @@ class GatewayState:
                 m.usage_stream_length.set(spool.stream.length)
                 m.usage_stream_oldest_age.set(spool.stream.oldest_age_s)
         m.replicas.set(self.admission.local.replicas)
-        for (model, url), tokens in self.keeper.reserved.items():
-            m.tokens_reserved.labels(model, url).set(tokens)
+        self._refresh_reserved()
         for model, state in self.keeper.states.items():
             m.inflight.labels(model).set(state.inflight)
             for tier, depth in state.queued.items():

@@ -322,11 +322,12 @@ class Admission:
         """The outage's local `lease` runs on `endpoint` (written back when Redis is)."""
         lease.endpoint, lease.part = endpoint, self.layout.part_of.get((lease.model, endpoint), "")
 
-    async def reroute(self, lease: Lease, avoid: str, only: Sequence[str] | None = None) -> bool:
-        """Move a held slot off an endpoint that could not be reached (or that this replica
-        does not know), onto another endpoint of the same model with room, keeping the slot
-        (no waiter can take it meanwhile). False when there is none."""
-        call = self.slots[lease.keys].move(lease.id, avoid, only)
+    async def reroute(
+        self, lease: Lease, avoid: str, only: Sequence[str] | None = None, *, tier: Tier
+    ) -> bool:
+        """Move a held slot of `tier` off an endpoint that could not be reached (or unknown
+        here) onto another with room for it, keeping the slot from waiters; False: none."""
+        call = self.slots[lease.keys].move(lease.id, avoid, only, tier=tier)
         try:
             endpoint = text(await asyncio.shield(self.scripts.call(self.store, call)))
         except STORE_ERRORS:

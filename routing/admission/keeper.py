@@ -60,6 +60,8 @@ class _Round:
     indexed: list[str]
     # The models (or partitions) whose reserved tokens this round reads, at its end.
     reserved: list[str] = field(default_factory=list)
+    # The leases whose start this round tells Redis again (after the accounts' calls).
+    started: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -72,7 +74,8 @@ class Keeper:
     # A sweep round longer than this is cut (and counted): it never waits on a stall.
     round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
-    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them.
+    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them; an
+    # endpoint no longer configured leaves once it reads 0 (`_saw_reserved`).
     reserved: dict[tuple[str, str], int] = field(default_factory=dict)
     # The partitions whose last read found tokens reserved (read until none are).
     _reserving: set[str] = field(default_factory=set)
@@ -135,14 +138,13 @@ class Keeper:
         ttl = adm.timing.lease_ttl_ms
         holdings.prune(2 * ttl / 1000)
         calls += [("account_keep", [key], [ttl, *ids]) for key, ids in entries.items()]
+        started, starts = adm.preemptions.unheard()
+        calls += starts
         orphan_models, orphan_accounts = holdings.orphans_by_model()
         orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
         orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
         self._rounds += 1
-        reserved = []
-        if self._rounds % RESERVED_EVERY == 1:
-            # And those that had reservations: what an endpoint out of rotation held ends.
-            reserved = [m for m in models if adm.slots[m].budgeted or m in self._reserving]
+        reserved = self._reads(models) if self._rounds % RESERVED_EVERY == 1 else []
         reads: list[Call] = [("HGETALL", [adm.slots[m].reserved_key], []) for m in reserved]
         return _Round(
             calls + orphan_calls + reads,
@@ -154,6 +156,7 @@ class Keeper:
             {m: len(ls) for m, ls in leases.items()},
             list(indexes),
             reserved,
+            started,
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
@@ -182,6 +185,8 @@ class Keeper:
             adm.local.saw([text(r) for r in replies[at]])
         for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
             adm.handback.recheck(reply, None, key)
+        at += 1 + len(work.accounts)
+        adm.preemptions.heard(work.started, replies[at : at + len(work.started)])
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
         reads = tail[len(tail) - len(work.reserved) :] if work.reserved else []
         tail = tail[: len(tail) - len(work.reserved)]
@@ -204,10 +209,23 @@ class Keeper:
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
 
+    def _reads(self, models: Sequence[str]) -> list[str]:
+        """The partitions whose reserved tokens a round reads: those with a budget, those
+        whose last read found reservations (what an endpoint out of rotation held ends),
+        and those of endpoints a reload took away (read until they leave `reserved`)."""
+        layout = self.admission.layout
+        gone = {layout.part_of.get(p, p[0]) for p in self.reserved if p not in layout.configured}
+        return [
+            m
+            for m in models
+            if self.admission.slots[m].budgeted or m in self._reserving or m in gone
+        ]
+
     def _saw_reserved(self, part: str, reply: Any) -> None:
         """A partition's tokens reserved per endpoint, for the endpoints this replica knows
         (a metric's label values come from its config, never from Redis): those in rotation
-        and those told before (out of rotation, or gone with a reload, their leases end)."""
+        and those told before (out of rotation, or gone with a reload, their leases end);
+        one gone from the config leaves once nothing is reserved there."""
         adm = self.admission
         model = adm.model_of.get(part, part)
         known = set(adm.slots[part].urls)
@@ -221,7 +239,11 @@ class Keeper:
         )
         values = {text(url): int(tokens) for url, tokens in found.items()}
         for url in known:
-            self.reserved[model, url] = values.get(url, 0)
+            tokens = values.get(url, 0)
+            if tokens or (model, url) in adm.layout.configured:
+                self.reserved[model, url] = tokens
+            else:  # gone from the config, nothing reserved there: no longer shown
+                self.reserved.pop((model, url), None)
         if any(values.get(url, 0) for url in known):
             self._reserving.add(part)
         else:

@@ -30,6 +30,9 @@ class Layout:
         self.rotations: dict[str, Rotation] = {}
         self.part_of: dict[tuple[str, str], str] = {}
         self.model_of: dict[str, str] = {}
+        # The (model, endpoint url) pairs of the config now (`part_of` keeps those a reload
+        # took away too: their requests in flight still release).
+        self.configured: frozenset[tuple[str, str]] = frozenset()
 
     def capacity(self, model: str) -> int:
         """The slots of `model`'s endpoints in rotation, over all its partitions."""
@@ -45,6 +48,9 @@ class Layout:
         release); partitions that left keep theirs too, with no endpoint: they admit no
         more. Returns the slots whose endpoints it emptied (their index to write)."""
         emptied: list[ModelSlots] = []
+        self.configured = frozenset(
+            (model.name, e.base_url) for model in registry for e in model.config.endpoints
+        )
         for model in registry:
             before = self.rotations.get(model.name)
             self._add(model, tiers)

@@ -335,13 +335,17 @@ class ModelSlots:
         self._rechecked = start + RECHECK
         return [urls[(start + i) % len(urls)] for i in range(min(RECHECK, len(urls)))]
 
-    def move(self, lease_id: str, avoid: str, only: Sequence[str] | None = None) -> Call:
-        """Move a held lease off `avoid` onto another endpoint with room: the least loaded
-        of `only` (when given: those this replica knows), else of all."""
+    def move(
+        self, lease_id: str, avoid: str, only: Sequence[str] | None = None, *, tier: Tier
+    ) -> Call:
+        """Move a held lease of `tier` off `avoid` onto another endpoint with room for it
+        (at most its tier's share of a token budget, as `acquire`): the least loaded of
+        `only` (when given: those this replica knows), else of all."""
         urls = [u for u in only if u != avoid and u in self._spec] if only is not None else []
         if only is not None and not urls:
             urls = [""]  # none to choose from: a name no endpoint has
-        args = [lease_id, self._timing.lease_ttl_ms, avoid, len(urls), *urls, self._fair]
+        share = self._shares[tier.rank]
+        args = [lease_id, self._timing.lease_ttl_ms, avoid, share, len(urls), *urls, self._fair]
         return ("move", self._key, args)
 
 

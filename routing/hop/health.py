@@ -23,7 +23,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
@@ -101,8 +103,12 @@ class Health:
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._owns_session = False
+        # The one thread that parses the workers' /metrics (`_parse`), made at the first
+        # parse and ended by `close`.
+        self._parser: ThreadPoolExecutor | None = None
         # Each of connecting (a free connection from the pool included) and every read
-        # is bounded by the probe timeout; a redirect is an answer, not followed.
+        # is bounded by the probe timeout (the whole probe too: `_probe`); a redirect is an
+        # answer, not followed.
         self._timeout = aiohttp.ClientTimeout(
             connect=settings.timeout_s, sock_read=settings.timeout_s
         )
@@ -222,6 +228,10 @@ class Health:
         if self._session is not None and self._owns_session:
             await self._session.close()
         self._session = None
+        if self._parser is not None:
+            # Not waited for: a parse under way (its probe cancelled) ends on its own.
+            self._parser.shutdown(wait=False, cancel_futures=True)
+            self._parser = None
 
     async def probe_all(self) -> None:
         """One round: every endpoint probed, its results applied and their changes told in
@@ -249,36 +259,50 @@ class Health:
             raise failure
 
     async def _probe(self, health: EndpointHealth) -> tuple[bool, Reading | None]:
+        """GET /health, then /metrics where something is read from it: both within
+        `timeout_s` together (docs/config.md: "a probe slower than this failed"), so a
+        round takes at most that, whatever an endpoint reads. The parse is this replica's
+        own work, not the worker's: it waits its turn outside the timeout."""
         load, cache = self.budgets.needs(health.url)
+        page: str | None = None
         try:
-            ok = (await self._get(health.url + "/health"))[0] == 200
-            read = ok and (health.scrape or load or cache)
-            reading = await self._read(health, health.scrape or load, cache) if read else None
+            async with asyncio.timeout(self.settings.timeout_s):
+                ok = (await self._get(health.url + "/health"))[0] == 200
+                if ok and (health.scrape or load or cache):
+                    page = await self._read(health)
         except (aiohttp.ClientError, TimeoutError, OSError):
-            ok, reading = False, None
-        return ok, reading
+            return False, None
+        return ok, None if page is None else await self._parse(page, health.scrape or load, cache)
 
-    async def _read(self, health: EndpointHealth, load: bool, cache: bool) -> Reading | None:
+    async def _read(self, health: EndpointHealth) -> str | None:
+        """The worker's /metrics page; None when it did not answer 200 or is too large."""
         status, text = await self._get(health.url + "/metrics")
         if text is None and not health.told_too_large:
             health.told_too_large = True
             log.warning(
                 "endpoint %s: /metrics larger than %d bytes, not read", health.url, MAX_BODY_BYTES
             )
-        if status != 200 or text is None:
-            return None
-        # In a thread: a hostile page (8 MiB of one label set) takes the parser most of a
-        # second, which the event loop (the replica's requests) must not wait out.
-        return await asyncio.to_thread(scrape.read, text, load=load, cache=cache)
+        return text if status == 200 else None
+
+    async def _parse(self, text: str, load: bool, cache: bool) -> Reading:
+        """The page parsed off the event loop: a hostile one (8 MiB of one label set) takes
+        the parser most of a second, which the replica's requests must not wait out. On one
+        thread of its own, one page at a time: a round of 1,000 endpoints queues its parses
+        there, not on the loop's default executor (which others share), and parser threads
+        never contend for the GIL with each other."""
+        if self._parser is None:
+            self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-health-parse")
+        read = partial(scrape.read, text, load=load, cache=cache)
+        return await asyncio.get_running_loop().run_in_executor(self._parser, read)
 
     async def _get(self, url: str) -> tuple[int, str | None]:
         """Status and body, the whole body read (an answer that breaks off is a failure);
-        None for a body larger than MAX_BODY_BYTES (not read further). The whole of it
-        within `timeout_s`: a worker that trickles its answer fails the probe, and holds
-        up no round (TimeoutError)."""
+        None for a body larger than MAX_BODY_BYTES (not read further). Within the probe's
+        timeout (`_probe`): a worker that trickles its answer fails the probe, and holds up
+        no round (TimeoutError)."""
         assert self._session is not None
         get = self._session.get(url, timeout=self._timeout, allow_redirects=False)
-        async with asyncio.timeout(self.settings.timeout_s), get as response:
+        async with get as response:
             body = bytearray()
             async for chunk in response.content.iter_chunked(1 << 16):
                 body += chunk

@@ -81,3 +81,22 @@ async def test_a_budget_a_reload_removes_is_no_longer_shown(state: GatewayState)
     await state.apply(config(n_budget=""))
     assert math.isnan(gauge(state, "n", W1) or 0.0)
     assert gauge(state, "m", W1) == 1000
+
+
+async def test_an_endpoint_the_keeper_no_longer_reads_loses_its_reserved_series(
+    state: GatewayState,
+) -> None:
+    """`gateway_tokens_reserved` follows the keeper's reads: an endpoint it dropped (gone
+    from the config, nothing reserved there: tests/routing/test_keeper.py) has no series,
+    not a 0 kept forever."""
+
+    def reserved(model: str, url: str) -> float | None:
+        labels = {"model": model, "endpoint": url}
+        return state.metrics.registry.get_sample_value("gateway_tokens_reserved", labels)
+
+    state.keeper.reserved.update({("m", W1): 300, ("m", W2): 0})
+    state.render_metrics()
+    assert reserved("m", W1) == 300 and reserved("m", W2) == 0
+    del state.keeper.reserved["m", W2]
+    state.render_metrics()
+    assert reserved("m", W2) is None and reserved("m", W1) == 300

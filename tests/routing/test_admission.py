@@ -1019,7 +1019,7 @@ async def test_reroute_keeps_the_slot_away_from_the_queue(fleet: Fleet) -> None:
     adm.set_endpoints("two", [("http://two-b:8000", 1, 0.0)])  # two-a is out of rotation
     waiter = asyncio.create_task(admit(adm, fleet.plan("two")))
     await bounded(queued.get())
-    assert await adm.reroute(lease, "http://two-a:8000")
+    assert await adm.reroute(lease, "http://two-a:8000", tier=Tier.DEFAULT)
     assert lease.endpoint == "http://two-b:8000"
     assert not waiter.done() and await fleet.queued("two") == 1
     assert await fleet.load("two") == 1

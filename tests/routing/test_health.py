@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 import uvicorn
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
@@ -316,3 +317,93 @@ async def test_a_workers_metrics_are_read_off_the_event_loop(
         await health.close()
     assert threads and threading.main_thread() not in threads
     assert health.penalty(url) == pytest.approx(2.0 + 0.5)
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[tuple[str, dict[str, float]]]:
+    """Real HTTP workers on loopback, one per path prefix (`<url>/w1`, `<url>/w2`...): each
+    answers /health and /metrics, after `delay` seconds each (a slow worker) when set."""
+    control: dict[str, float] = {"delay": 0.0}
+
+    async def route(request: Request) -> PlainTextResponse:
+        if control["delay"]:
+            await asyncio.sleep(control["delay"])
+        if request.url.path.endswith("/metrics"):
+            return PlainTextResponse("vllm:num_requests_waiting 4\nvllm:kv_cache_usage_perc 0\n")
+        return PlainTextResponse("")
+
+    app = Starlette(routes=[Route("/{rest:path}", route)])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", control
+    server.should_exit = True
+    await task
+    sock.close()
+
+
+def scraped(urls: list[str], settings: HealthSettings) -> Health:
+    endpoints = ", ".join(f'{{url: "{u}", max_concurrency: 4, metrics: true}}' for u in urls)
+    config = parse_config(f"models: {{m: {{endpoints: [{endpoints}]}}}}", "t.yaml")
+    return Health(Registry(config.models), settings, lambda _: None)
+
+
+async def test_metrics_are_parsed_one_at_a_time_on_a_thread_of_their_own(
+    workers: tuple[str, dict[str, float]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round of many endpoints queues its parses on one thread of Health's own, made at
+    the first parse and ended by close: not on the loop's default executor, where a
+    thousand parses would wait beside everything else and parser threads contend."""
+    base, _ = workers
+    urls = [f"{base}/w{i}" for i in range(6)]
+    threads: list[threading.Thread] = []
+    lock, running, most = threading.Lock(), [0], [0]
+    real_read = scrape.read
+
+    def read(text: str, *, load: bool, cache: bool) -> Reading:
+        with lock:
+            threads.append(threading.current_thread())
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return real_read(text, load=load, cache=cache)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(scrape, "read", read)
+    health = scraped(urls, HealthSettings())
+    before = set(threading.enumerate())
+    await health.start()
+    try:
+        assert set(threading.enumerate()) == before  # made at the first parse, not before
+        await health.probe_all()
+        await health.probe_all()
+    finally:
+        await health.close()
+    assert len(threads) >= 12 and most == [1]  # (the loop's own first round too, maybe)
+    assert len(set(threads)) == 1 and threads[0].name.startswith("gateway-health-parse")
+    threads[0].join(10)  # close shut it down (bounded, so that the test fails, not hangs)
+    assert not threads[0].is_alive()
+    assert all(health.penalty(u) == pytest.approx(1.0) for u in urls)  # waiting 4 / size 4
+
+
+async def test_the_whole_probe_is_bounded_by_the_timeout(
+    workers: tuple[str, dict[str, float]],
+) -> None:
+    """docs/config.md: "a probe slower than this failed". A worker that answers /health and
+    then /metrics each within `timeout_s`, but not both, fails its probe: a round never
+    takes longer than the timeout, whatever an endpoint reads."""
+    base, control = workers
+    url = f"{base}/w"
+    health = scraped([url], HealthSettings(unhealthy_after=1, timeout_s=0.5))
+    await health.start()
+    try:
+        await health.probe_all()
+        assert health.is_up(url)
+        control["delay"] = 0.3  # each answer 0.6 x the timeout: the probe 1.2 x
+        await asyncio.wait_for(health.probe_all(), 30)
+        assert not health.is_up(url)
+    finally:
+        await health.close()

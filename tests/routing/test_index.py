@@ -182,7 +182,7 @@ async def test_a_move_past_an_endpoint_free_had_wrong_takes_the_next(
     m = Model(real_redis, slots([(A, 1), (B, 1), (C, 1)]))
     assert (await m.acquire("l1", affinity=[C])).endpoint == C
     await real_redis.hincrby(m.slots.keys[3], A, 1)  # an older replica's lease on A
-    moved = text(await m.run(m.slots.move("l1", C, [A, B])))
+    moved = text(await m.run(m.slots.move("l1", C, [A, B], tier=Tier.DEFAULT)))
     assert moved == B
     assert await m.load() == {A: 1, B: 1, C: 0}
     assert A not in await with_room(m)

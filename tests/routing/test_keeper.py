@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from gateway.runtime.settings import parse_config
@@ -26,6 +27,7 @@ from routing.registry import Registry
 from routing.store.causes import StoreErrors
 from tests.conftest import REDIS_URL
 from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, intercept
+from tiers.policy import Tier
 
 RID = "t-keeper-"
 
@@ -271,3 +273,84 @@ async def test_the_tokens_reserved_on_an_endpoint_out_of_rotation_are_still_read
         assert keeper.reserved["tb", url] == 0
     finally:
         await fleet.close()
+
+
+async def sweeps_reading_reserved(keeper: Keeper) -> None:
+    """Enough sweeps that one of them reads the reserved tokens."""
+    for _ in range(RESERVED_EVERY):
+        await bounded(keeper.sweep_once())
+
+
+async def test_an_endpoint_a_reload_removed_leaves_the_reserved_tokens_once_they_end(
+    real_redis: aioredis.Redis,
+) -> None:
+    """An endpoint a reload takes away is read while its reservations end, then dropped
+    (its series goes too: tests/gateway/test_budgets.py); one still configured stays at 0,
+    out of rotation or not. So is a whole model a reload took away."""
+    both = BUDGETED + (
+        "  tc:\n    max_tokens_default: 10\n    endpoints:\n"
+        '      - {url: "http://tc-a:8000", max_concurrency: 2, max_tokens_in_flight: 1000}\n'
+    )
+    config = parse_config(both, "t.yaml")
+    fleet = Fleet(config, Registry(config.models), real_redis)
+    try:
+        adm = await fleet.admission()
+        keeper = keeper_of(fleet, adm)
+        admitted = await bounded(adm.admit(fleet.plan("tb"), "t-acme", 10, tokens=TokenAsk(90)))
+        url = admitted.lease.endpoint
+        other = next(u for u in ("http://tb-a:8000", "http://tb-b:8000") if u != url)
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {
+            ("tb", url): 100,
+            ("tb", other): 0,
+            ("tc", "http://tc-a:8000"): 0,
+        }
+        # A reload: `url` leaves tb's endpoints (its lease runs on), tc leaves the config.
+        # As the gateway applies it: the config, then the endpoints in rotation.
+        endpoint = f'{{url: "{other}", max_concurrency: 2, max_tokens_in_flight: 1000}}'
+        kept = f"models: {{tb: {{max_tokens_default: 10, endpoints: [{endpoint}]}}}}"
+        reloaded = parse_config(kept, "t.yaml")
+        adm.apply(Registry(reloaded.models), reloaded.tiers)
+        adm.set_endpoints("tb", [(other, 2, 0.0, 1000)])
+        adm.set_endpoints("tc", [])
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", url): 100, ("tb", other): 0}  # still held there
+        await bounded(adm.release(admitted.lease))
+        await bounded(adm.drain())
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", other): 0}
+        await sweeps_reading_reserved(keeper)
+        assert keeper.reserved == {("tb", other): 0}  # and nothing comes back
+    finally:
+        await fleet.close()
+
+
+async def test_a_sweep_tells_redis_a_flex_request_began_where_its_check_went_unanswered(
+    fleet: Fleet,
+) -> None:
+    """The check before a flex request's first byte got no answer: it began all the same
+    (routing/admission/preemption.py). Redis still offers its lease to preemption until
+    the next sweep that reaches it tells it the request started."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    admitted = await admit(adm, fleet.plan("two"), Tier.FLEX)
+    assert admitted.preemptible
+    lease = admitted.lease
+    down = {"start": True}
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if down["start"] and calls[0][0] == "start":
+            raise RedisConnectionError("connection lost")
+        return await send()
+
+    intercept(adm, around)
+    adm.preemptions.watch(lease.id)
+    assert await bounded(adm.preemptions.started(lease))
+    pre, member = adm.slots[lease.keys].pre_key, f"{lease.id} {lease.endpoint}"
+    assert await fleet.redis.zscore(pre, member) is not None  # still offered
+    down["start"] = False
+    await bounded(keeper.sweep_once())
+    assert await fleet.redis.zscore(pre, member) is None
+    await bounded(adm.release(lease))
+    await bounded(adm.drain())
+    await fleet.assert_clean()

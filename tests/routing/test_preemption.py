@@ -155,7 +155,10 @@ async def test_a_request_that_began_where_redis_was_down_is_never_cut_by_a_late_
     assert await preemptions.started(lease)
     preemptions.told(lease.id)  # chosen after it began
     assert not told.done()
-    assert preemptions.done(lease, preempted=False) == [("ZREM", [slots.doomed_key], [lease.id])]
+    assert preemptions.done(lease, preempted=False) == [
+        ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),  # Redis never heard it began
+        ("ZREM", [slots.doomed_key], [lease.id]),
+    ]
     assert preemptions.done(lease, preempted=False) == []  # once
 
 
@@ -171,3 +174,66 @@ async def test_a_request_that_ends_before_its_first_byte_is_no_longer_offered() 
         ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),
         ("ZREM", [slots.doomed_key], [lease.id]),
     ]
+
+
+async def test_a_request_that_began_unheard_is_no_longer_offered_once_redis_hears_it(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Its check got no answer, so it began; Redis still offers its lease (`pre`) until the
+    check, sent again (the keeper's sweep: `unheard`), is answered: then a priority
+    newcomer waits as for any request that started, instead of choosing it."""
+    m = Model(real_redis, preemptible(size=1))
+    flex = lid("f")
+    assert (await m.acquire(flex, Tier.FLEX)).status == GRANTED
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": m.slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(flex, "m", A, "gw:acct:{acme}", 0.0)
+    preemptions.watch(lease.id)
+    assert await preemptions.started(lease)
+    ids, calls = preemptions.unheard()
+    assert ids == [flex] and calls == [m.slots.start(flex, A)]
+    preemptions.heard(ids, [RedisConnectionError("still down")])
+    assert preemptions.unheard()[0] == [flex]  # sent again next time
+    preemptions.heard(ids, [await m.run(call) for call in calls])
+    assert preemptions.unheard() == ([], [])
+    got = await m.acquire(lid("vip"), Tier.PRIORITY, may_wait=True)
+    assert (got.status, got.preempted) == (QUEUED, False)
+    assert await doomed(m) == []
+
+
+async def test_a_request_chosen_before_redis_heard_it_began_is_still_not_cut(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Chosen while its check went unanswered: the check sent again says 0, which is heard
+    but not obeyed (it has started); the message is ignored, and its release takes it off
+    `pre` and `doomed`."""
+    m = Model(real_redis, preemptible(size=1))
+    flex = lid("f")
+    assert (await m.acquire(flex, Tier.FLEX)).status == GRANTED
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": m.slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(flex, "m", A, "gw:acct:{acme}", 0.0)
+    told = preemptions.watch(lease.id)
+    assert await preemptions.started(lease)
+    assert (await m.acquire(lid("vip"), Tier.PRIORITY, may_wait=True)).preempted is True
+    ids, calls = preemptions.unheard()
+    replies = [await m.run(call) for call in calls]
+    assert [int(r) for r in replies] == [0]
+    preemptions.heard(ids, replies)
+    preemptions.told(lease.id)
+    assert not told.done() and preemptions.unheard() == ([], [])
+    assert preemptions.done(lease, preempted=False) == [("ZREM", [m.slots.doomed_key], [flex])]
+
+
+async def test_a_release_before_redis_heard_the_start_takes_the_lease_off_pre() -> None:
+    slots = preemptible()
+    handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
+    preemptions = Preemptions(handback)  # type: ignore[arg-type]
+    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    preemptions.watch(lease.id)
+    assert await preemptions.started(lease)
+    assert preemptions.done(lease, preempted=False) == [
+        ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),
+        ("ZREM", [slots.doomed_key], [lease.id]),
+    ]
+    assert preemptions.unheard() == ([], [])

@@ -665,9 +665,11 @@ async def test_move_keeps_the_slot_from_the_queue(real_redis: aioredis.Redis) ->
     assert (await m.acquire("w", may_wait=True)).status == QUEUED
     await m.release("l3")  # B has room now, and w took it
     assert await m.load() == {A: 1, B: 2}
-    assert text(await m.run(m.slots.move("l1", A))) == ""  # nowhere to go: stays on A
+    assert (
+        text(await m.run(m.slots.move("l1", A, tier=Tier.DEFAULT))) == ""
+    )  # nowhere to go: stays on A
     await m.release("w")
-    assert text(await m.run(m.slots.move("l1", A))) == B
+    assert text(await m.run(m.slots.move("l1", A, tier=Tier.DEFAULT))) == B
     assert await m.load() == {A: 0, B: 2}
     assert await m.queue() == []
 

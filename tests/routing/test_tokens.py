@@ -19,6 +19,7 @@ from tiers.policy import Tier
 pytestmark = pytest.mark.usefixtures("script_modes")
 
 UTILIZATION = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 0.8}
+C = "http://c:8000"
 
 
 def budgeted(
@@ -255,3 +256,37 @@ async def test_fair_share_by_tokens_serves_the_account_holding_fewer_tokens(
         await m.release(lid("S1", 100, "small"))
         granted = wl if first == "large" else ws
         assert granted in await m.leases(), fairness
+
+
+async def test_a_move_holds_the_lease_to_its_tiers_share_of_a_budget(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A flex lease moved off an unreachable endpoint reserves on the next one at most
+    flex's share of its budget (0.8 here), as an acquire would: not the whole budget."""
+    m = Model(real_redis, budgeted())
+    flex = lid("flex", 700)
+    assert (await m.acquire(flex, Tier.FLEX, affinity=[A])).endpoint == A
+    assert (await m.acquire(lid("there", 200), affinity=[B])).endpoint == B
+    moved = await m.run(m.slots.move(flex, A, [B], tier=Tier.FLEX))  # 900 > 0.8 x 1000
+    assert text(moved) == ""
+    assert await reserved(m) == {A: 700, B: 200}  # it stays where it was
+    assert text(await m.run(m.slots.move(flex, A, [B], tier=Tier.DEFAULT))) == B
+
+
+@pytest.mark.parametrize("only", [None, [B, C]], ids=["any", "known"])
+async def test_a_move_passes_an_endpoint_that_lacks_only_the_tokens(
+    real_redis: aioredis.Redis, only: list[str] | None
+) -> None:
+    """The least loaded endpoint lacks the tokens for the moved lease but keeps room for
+    smaller requests (it stays in `free`): the move tries the next one, not it again."""
+    made = ModelSlots("m", UTILIZATION, 100, TIMING)
+    made.set_endpoints([(A, 8, 0.0, 1000), (B, 8, 0.0, 1000), (C, 8, 0.0, 1000)])
+    m = Model(real_redis, made)
+    moving = lid("moving", 600)
+    assert (await m.acquire(moving, affinity=[A])).endpoint == A
+    assert (await m.acquire(lid("b", 500), affinity=[B])).endpoint == B  # B: 0.5 used
+    for i in range(5):  # C: 5 of 8 slots, no tokens, 0.625 used
+        assert (await m.acquire(lid(f"c{i}", 0), affinity=[C])).endpoint == C
+    assert text(await m.run(m.slots.move(moving, A, only, tier=Tier.DEFAULT))) == C
+    assert await reserved(m) == {B: 500, C: 600}
+    assert await m.load() == {A: 0, B: 1, C: 6}
