@@ -86,7 +86,9 @@ async def test_a_move_reclaiming_leases_keeps_tokens_claims(real_redis: aioredis
         assert (await m.acquire(lease)).status == GRANTED
     wb, ws = await queued_both(m)
     await m.expire_lease(big[2])
-    assert text(await m.run(m.slots.move(small[0], A))) == ""  # nowhere else to go
+    assert (
+        text(await m.run(m.slots.move(small[0], A, tier=Tier.DEFAULT))) == ""
+    )  # nowhere else to go
     await m.sweep()  # one slot free: small holds 200 tokens, big 2000
     assert ws in await m.leases()
     assert wb not in await m.leases()
