@@ -132,9 +132,7 @@ class GatewayState:
                 up = 1 if health.is_up(e.base_url) else 0
                 self.metrics.endpoint_up.labels(name, e.base_url).set(up)
                 if e.max_tokens_in_flight is not None:  # NaN: `auto`, not read yet
-                    budget = health.budget(name, e.base_url)
-                    value = math.nan if budget is None else budget
-                    self.metrics.token_budget.labels(name, e.base_url).set(value)
+                    show_budget(self.metrics, name, e.base_url, health.budget(name, e.base_url))
 
     def begin_draining(self) -> None:
         """SIGTERM (called from the signal handler): /readyz says 503 and new requests are
@@ -304,3 +302,22 @@ class GatewayState:
             for tier, depth in state.queued.items():
                 m.queue_depth.labels(model, tier.value).set(depth)
         m.publish()
+
+
+# In shared metrics: the time a value not known yet is stamped with (1970, later than the
+# 0 that a series never set has, earlier than anything set).
+UNKNOWN_AT = 1.0
+
+
+def show_budget(metrics: Metrics, model: str, url: str, budget: int | None) -> None:
+    """`gateway_token_budget` of a model's endpoint; NaN while not read yet (None). Shared
+    between workers (the value the latest set wins), a NaN not read yet is written as set
+    at UNKNOWN_AT, older than any value: a worker just started again does not hide, until
+    its first probe, the budget the others read; it shows only while none knows one."""
+    child = metrics.token_budget.labels(model, url)
+    if budget is not None:
+        child.set(budget)
+    elif metrics.shared_dir is None:
+        child.set(math.nan)
+    else:  # Gauge.set stamps the time now; its value class takes an older stamp
+        child._value.set(math.nan, timestamp=UNKNOWN_AT)
