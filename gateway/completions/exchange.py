@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.edge.access import AccessNote
+from gateway.edge.body import dumps
 from gateway.runtime.auth import Account
 from gateway.schemas.common import GatewayRequest
-from gateway.schemas.tokens import output_tokens, prompt_tokens
+from gateway.schemas.tokens import BYTES_PER_TOKEN, output_tokens, prompt_tokens
 from routing.admission.tokens import TokenAsk
 from tiers.policy import Tier
 
@@ -39,9 +40,18 @@ class Parsed:
 
     def tokens(self) -> TokenAsk:
         """What it will hold of a worker's KV cache (gateway/schemas/tokens.py): its prompt's
-        estimate, its answer's length and how many answers (`n`)."""
+        estimate (its tools' too), its answer's length and how many answers (`n`)."""
         request = self.request
-        return TokenAsk(prompt_tokens(request), output_tokens(request), request.n)
+        prompt = prompt_tokens(request) + tools_tokens(self.payload.get("tools"))
+        return TokenAsk(prompt, output_tokens(request), request.n)
+
+
+def tools_tokens(tools: Any) -> int:
+    """A chat's tools (as the body forwards them): the chat template writes their
+    definitions into the prompt, so their bytes count as its text's do."""
+    if not tools:
+        return 0
+    return -(-len(dumps(tools)) // BYTES_PER_TOKEN)
 
 
 @dataclass(slots=True)

@@ -7,12 +7,9 @@ error never accumulates, since a release gives back exactly what was reserved.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import orjson
-
-from gateway.schemas.chat import ChatRequest, FunctionTool, ImageUrlPart, OtherPart, TextPart
+from gateway.schemas.chat import ChatRequest, ImageUrlPart, OtherPart, TextPart
 from gateway.schemas.common import GatewayRequest
 from gateway.schemas.completions import CompletionRequest
 
@@ -35,8 +32,9 @@ def prompt_tokens(request: GatewayRequest) -> int:
             total += PER_MESSAGE + _content(message.content)
             for call in getattr(message, "tool_calls", None) or ():
                 total += _text(call.function.name) + _text(call.function.arguments)
-        # The tools offered: the chat template writes their definitions into the prompt.
-        return total + _tools(request.tools)
+        # The tools offered count too (the chat template writes them into the prompt), from
+        # the body as it is forwarded: gateway/completions/exchange.py `tools_tokens`.
+        return total
     return 0
 
 
@@ -64,18 +62,6 @@ def _content(content: Any) -> int:
         elif isinstance(part, ImageUrlPart | OtherPart):
             total += PER_MEDIA
     return total
-
-
-def _tools(tools: list[FunctionTool] | None) -> int:
-    if not tools:
-        return 0
-    dumped = [t.model_dump(mode="json") for t in tools]
-    try:
-        size = len(orjson.dumps(dumped))
-    except TypeError:  # an integer past 64 bits, which the edge keeps exact (its stdlib path)
-        text = json.dumps(dumped, ensure_ascii=False, separators=(",", ":"))
-        size = len(text.encode("utf-8", "surrogatepass"))
-    return -(-size // BYTES_PER_TOKEN)
 
 
 def _text(text: str) -> int:

@@ -11,7 +11,9 @@ from typing import Any
 from gateway.completions.exchange import Exchange, Parsed, Usage
 from gateway.completions.preempt import requeued
 from gateway.runtime.auth import Account
+from gateway.schemas.chat import ChatRequest
 from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.tokens import prompt_tokens
 from routing.admission.admit import Admitted
 from routing.admission.plan import Candidate
 from routing.admission.ratelimit import RateCharge, RateLimits
@@ -90,3 +92,15 @@ async def test_reject_never_admits_again() -> None:
     found, admission = state("reject")
     assert await requeued(found, parsed(None, waited_s=0.0), exchange(), first()) is None
     assert admission.asked == []
+
+
+def test_what_admission_is_asked_counts_the_tools_the_body_forwards() -> None:
+    # Parsed.tokens: the prompt's estimate, its tools' bytes / 4 (from the forwarded body),
+    # the answer asked for, and how many answers.
+    tool = {"type": "function", "function": {"name": "lookup", "description": "x" * 400}}
+    messages = [{"role": "user", "content": "abcd"}]
+    body = {"model": "m", "messages": messages, "n": 2, "max_tokens": 8, "tools": [tool]}
+    request = ChatRequest.model_validate(body)
+    asked = Parsed("rid", 0.0, ACCOUNT, body, request, Tier.FLEX, None, None).tokens()
+    assert asked.prompt >= 100 + prompt_tokens(request)
+    assert (asked.output, asked.sequences) == (8, 2)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.completions.exchange import tools_tokens
 from gateway.schemas.chat import ChatRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.tokens import PER_MEDIA, PER_MESSAGE, output_tokens, prompt_tokens
@@ -53,14 +54,21 @@ def test_the_answer_asked_for(fields: dict[str, Any], asked: int | None) -> None
     assert output_tokens(chat("x", **fields)) == asked
 
 
+def with_tools(request: ChatRequest) -> int:
+    """Its prompt estimate with its tools, as admission asks (the tools from the body as
+    it is forwarded: gateway/completions/exchange.py `Parsed.tokens`)."""
+    tools = request.model_dump(mode="json", exclude_none=True).get("tools")
+    return prompt_tokens(request) + tools_tokens(tools)
+
+
 def test_a_chats_tools_count_as_the_prompt_they_become() -> None:
     # The chat template writes the tools' definitions into the prompt: a large schema holds
     # as much of the cache as the same bytes of text would.
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(50)}}
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
-    bare, offered = prompt_tokens(chat("abcd")), prompt_tokens(chat("abcd", tools=tools))
+    bare, offered = with_tools(chat("abcd")), with_tools(chat("abcd", tools=tools))
     assert offered - bare >= len(str(schema)) // 8  # compact JSON, over 4, and then some
-    assert prompt_tokens(chat("abcd", tools=[])) == bare
+    assert with_tools(chat("abcd", tools=[])) == bare
 
 
 def test_tools_holding_an_integer_past_64_bits_are_counted() -> None:
@@ -69,5 +77,5 @@ def test_tools_holding_an_integer_past_64_bits_are_counted() -> None:
     big = 10**30
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": big}}}
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": schema}}]
-    bare, offered = prompt_tokens(chat("abcd")), prompt_tokens(chat("abcd", tools=tools))
+    bare, offered = with_tools(chat("abcd")), with_tools(chat("abcd", tools=tools))
     assert offered - bare >= len(str(big)) // 4
