@@ -23,7 +23,7 @@
 -- queued); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
 -- the rebuild window when that is why it is busy, else 0. Queued, its seq is negated when a
 -- lease was preempted for it (prelude: `preempt`).
--- @needs now_ms take_account tokens_of parse_ep rescore take_slot take_any seat
+-- @needs now_ms take_account tokens_of parse_ep rescore fits take_slot take_any seat
 local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[7])
 local tokens, frac = tokens_of(id), tonumber(ARGV[5])
 local now = now_ms()

@@ -159,6 +159,15 @@ local function rescore(ep, load, spec, tok)
   return false
 end
 
+-- @fn fits
+-- Whether a lease of `t` tokens fits the endpoint's token budget (nil: it has none) at the
+-- share `frac` of it, `tok` reserved there with it: alone on the endpoint (`tok` == `t`) a
+-- request fits its whole budget (a budget that adapts may have shrunk below it, and a
+-- tier's share leaves an empty endpoint's spare room unused).
+local function fits(t, tok, budget, whole, frac)
+  return not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole)
+end
+
 -- @fn take_slot
 -- One more lease counted on `ep`, reserving `t` tokens, if it has room by its own counts
 -- (`ep_load`, which every release of the gateway keeps, where `free` is this one's: during
@@ -175,9 +184,7 @@ local function take_slot(ep, t, frac)
   local size, _, budget, whole = parse_ep(spec)
   local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
   local tok = t > 0 and redis.call('HINCRBY', EP_TOK, ep, t) or nil
-  -- Alone on the endpoint a request fits its whole budget: a budget that adapts may have
-  -- shrunk below it, and a tier's share leaves an empty endpoint's spare room unused.
-  if load <= size and (not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole)) then
+  if load <= size and fits(t, tok, budget, whole, frac) then
     rescore(ep, load, spec, tok)
     return true, true
   end
@@ -816,10 +823,8 @@ local function hand_on(gone, ep, claim_until, ceilings, fair, fracs)
     tok = tonumber(redis.call('HGET', EP_TOK, ep)) or 0
   end
   -- Held to the budget as `take_slot` holds a new lease, also for a waiter smaller than
-  -- `gone`: a budget that shrank under its leases may still be short. (`whole` is nil where
-  -- there is no budget: an endpoint without one, or `auto` not read yet.)
-  local over = budget and t > 0 and tok > budget * (fracs[head.rank + 1] or 1)
-  if over and not (tok == t and t <= whole) then
+  -- `gone`: a budget that shrank under its leases may still be short.
+  if not fits(t, tok, budget, whole, fracs[head.rank + 1] or 1) then
     if delta ~= 0 then redis.call('HINCRBY', EP_TOK, ep, -delta) end
     return false
   end
