@@ -77,7 +77,7 @@ async def scripts_one(url: str, info: aioredis.Redis, queue: str, budget: bool) 
             delta = await measured(info, model.direct_cycles(cycles))
         else:
             await model.setup(model.capacity, 10, accounts=False)
-            delta = await measured(info, model.queued_cycles(cycles, False, wakes, 1))
+            delta = await measured(info, model.queued_cycles(cycles, False, wakes))
     finally:
         await wakes.aclose()
         await model.clear(info)

@@ -16,16 +16,19 @@ bench/fleet_http.py.
 
 One cycle is one admission, and every script call of it is counted:
 - empty queue: an acquire granted at once, then its release (the model half full);
-- through the queue (10 waiters, "short"; 10,000 of one account; 10,000 of as many
-  accounts): the model full, D waiters queued; as the gateway does it, a new waiter queues
+- through the queue (none waiting before, "through"; 10 waiters, "short"; 10,000 of one
+  account; 10,000 of as many accounts): the model full, D waiters queued; as the gateway
+  does it, a new waiter queues
   (acquire), the oldest lease is given back on its endpoint (release), which hands the slot
-  to the queue's head, and the head's replica, woken by message, claims its grant (one
-  claim call per grant, the worst case: a replica claims the grants woken in one loop turn
-  together) and gives it back in a later cycle. So D stays constant, and each cycle admits
-  one request through the queue.
+  to the queue's head, and the head's replica, woken by message, runs its request on the
+  grant (no call: its next sweep keeps it, as every lease it holds, whose cost is the same
+  for a lease granted at once) and gives it back in a later cycle. So D stays constant, and
+  each cycle admits one request through the queue.
 Redis CPU is used_cpu_user + sys around the cycles (INFO), per cycle; the gateway's CPU is
 this process's CPU time around them (building the calls, encoding, parsing the replies).
-Ratios compare each configuration with N = 1 and an empty queue in the same run.
+Ratios compare each configuration with N = 1 and an empty queue in the same run (granted at
+once), and each admission through the queue with N = 1 through an empty one ("through": the
+model full, nobody waiting, each request waits for the next release).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ from tiers.policy import Tier  # noqa: E402
 TAG = "bench-fleet"
 CAPACITY = 2000  # slots of the model, whatever N (N endpoints of CAPACITY // N each)
 BATCH = 50  # cycles per round trip
-# The queues measured: none, 10 waiters, 10,000 of one account, 10,000 of as many accounts.
-QUEUES = ("empty", "short", "waiters", "accounts")
+# The queues measured: none (granted at once), none (through the queue: the model full), 10
+# waiters, 10,000 of one account, 10,000 of as many accounts.
+QUEUES = ("empty", "through", "short", "waiters", "accounts")
 UTILIZATION = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 0.8}
 TIMING = Timing(lease_ttl_ms=600_000, claim_ms=600_000, waiter_ttl_ms=600_000)
 
@@ -136,13 +140,10 @@ class Model:
                 ]
             )
 
-    async def queued_cycles(
-        self, n: int, accounts: bool, wakes: aioredis.client.PubSub, claim_group: int
-    ) -> None:
+    async def queued_cycles(self, n: int, accounts: bool, wakes: aioredis.client.PubSub) -> None:
         """As the gateway does it: a newcomer queues; the oldest lease is given back (on its
         endpoint), which hands the slot to the queue's head; the head's replica, woken by
-        message, claims its grant (`claim_group` grants per claim call: a replica claims
-        the grants woken in one loop tick together), and gives it back in a later cycle."""
+        message, runs its request on the grant and gives it back in a later cycle."""
         waiting = deque(self.waiting)
         for start in range(0, n, BATCH):
             calls: list[Any] = []
@@ -156,8 +157,6 @@ class Model:
             replies = await self.send(calls)
             assert all(int(r) == 1 for r in replies[1::2]), "a release granted no waiter"
             granted = [await self._woken(wakes) for _ in range(size)]
-            groups = range(0, size, claim_group)
-            await self.send([self.slots.claim(granted[g : g + claim_group]) for g in groups])
             for waiter_id, endpoint in granted:
                 assert waiter_id == waiting.popleft()
                 self.held.append((waiter_id, endpoint))
@@ -181,15 +180,13 @@ class Model:
             await info.delete(key)
 
 
-async def one(
-    url: str, info: aioredis.Redis, n: int, queue: str, cycles: int, claim_group: int = 1
-) -> dict[str, Any]:
+async def one(url: str, info: aioredis.Redis, n: int, queue: str, cycles: int) -> dict[str, Any]:
     """One configuration: N endpoints, its queue (one of QUEUES)."""
     store = RespClient(url)
     scripts = Scripts()
     await scripts.load(store)
     model = Model(store, scripts, n, f"{TAG}-{n}-{queue}")
-    depth = {"empty": 0, "short": 10}.get(queue, 10_000)
+    depth = {"empty": 0, "through": 0, "short": 10}.get(queue, 10_000)
     wakes = info.pubsub()
     await wakes.subscribe(model.slots.channel)
     try:
@@ -198,7 +195,7 @@ async def one(
         work = (
             model.direct_cycles(cycles)
             if queue == "empty"
-            else model.queued_cycles(cycles, queue == "accounts", wakes, claim_group)
+            else model.queued_cycles(cycles, queue == "accounts", wakes)
         )
         cpu = time.process_time()
         delta = await measured(info, work)
@@ -212,7 +209,6 @@ async def one(
         "queue": queue,
         "waiting": depth,
         "cycles": cycles,
-        "claim_group": claim_group,
         "redis_cpu_us_per_admission": round(delta.cpu_s / cycles * 1e6, 2),
         "redis_cmd_us_per_admission": round(sum(delta.usec.values()) / cycles, 2),
         "gateway_cpu_us_per_admission": round(mine / cycles * 1e6, 2),
@@ -245,14 +241,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for n in (1, 64, 1000)
     }
     base = table["empty n=1"]
-    queued = table["short n=1"]
+    queued = table["through n=1"]
     ratios = {key: {f: round(v[f] / base[f], 2) for f in fields} for key, v in table.items()}
     through_queue = {
         key: {f: round(v[f] / queued[f], 2) for f in fields}
         for key, v in table.items()
         if not key.startswith("empty")
     }
-    return {"medians": table, "ratio_to_empty_n1": ratios, "ratio_to_short_queue_n1": through_queue}
+    return {
+        "medians": table,
+        "ratio_to_empty_n1": ratios,
+        "ratio_to_through_empty_queue_n1": through_queue,
+    }
 
 
 def main() -> None:
@@ -273,6 +273,7 @@ def main() -> None:
             rows = asyncio.run(measure(url, cycles, rounds))
             result["admission"] = {"rows": rows, **summary(rows)}
             print(json.dumps(result["admission"]["ratio_to_empty_n1"], indent=1))
+            print(json.dumps(result["admission"]["ratio_to_through_empty_queue_n1"], indent=1))
         if args.only in (None, "http"):
             rows = fleet_http.single(Path(tmp), url, requests, rounds)
             result["http"] = {"rows": rows, **http_summary(rows)}

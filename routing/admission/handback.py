@@ -1,6 +1,7 @@
 """Giving back what a replica took in Redis, whatever happens: the release at the end of a
 request, the give-back of what a call took when its caller left or another call failed,
-the claim of a woken waiter's grant, and the ids whose state in Redis is in doubt.
+and the ids whose state in Redis is in doubt. (A woken waiter's grant needs no call of its
+own: the replica's next sweep keeps it, as it keeps every lease it holds.)
 
 Every call here leaves at once and is never cancelled with its caller: the caller may await
 the result or not. A call that fails hands its ids to `Holdings.doubt`, for the sweeps to
@@ -56,8 +57,6 @@ class Handback:
         self._pending: set[asyncio.Future[Any]] = set()
         # Releases not answered yet, with their usage records (spooled if never answered).
         self._releasing: dict[asyncio.Future[None], Mapping[str, str] | None] = {}
-        # Grants of woken waiters to claim, per model, sent together at the next loop turn.
-        self._claims: dict[str, list[tuple[str, str]]] = {}
         self.store_errors = store_errors if store_errors is not None else StoreErrors()
 
     # --- leases --------------------------------------------------------------------------
@@ -73,7 +72,6 @@ class Handback:
         lease's mark)."""
         self.holdings.held.pop(lease.id, None)
         self._retry.held(lease.model, time.monotonic() - lease.since)
-        self._send_claims()  # a claim waiting for the next turn goes first
         if usage is not None:
             # Every value encodable whatever the caller sent, so the record can never stop
             # the release (a copy of the caller's), and the admission attempt: unique per
@@ -145,30 +143,6 @@ class Handback:
         if usage is not None and self.spool is not None:
             self.spool.add(usage)
 
-    def claim(self, lease_id: str, model: str, endpoint: str) -> None:
-        """A woken waiter claims its grant for the full lease TTL (an unclaimed grant goes
-        back after the claim time). The claims of the waiters woken in one loop turn go
-        together, one call per model at the next turn: under load many wake at once, and
-        a call costs Redis more than a claim in it."""
-        if not self._claims:
-            asyncio.get_running_loop().call_soon(self._send_claims)
-        self._claims.setdefault(model, []).append((lease_id, endpoint))
-
-    def _send_claims(self) -> None:
-        if not self._claims:
-            return
-        claims, self._claims = self._claims, {}
-        for model, grants in claims.items():
-            if model not in self.slots:
-                continue  # a reload took it away: its grants expire after the claim time
-            sent = self.scripts.send(self.store, [self.slots[model].claim(grants)])
-            sent.add_done_callback(partial(self._claimed, model))
-            self._track(sent)
-
-    def _claimed(self, model: str, sent: asyncio.Future[list[Any]]) -> None:
-        if not sent.cancelled() and not sent.exception():
-            self.recheck(sent.result()[0], model)
-
     def recheck(self, restored: Any, model: str | None, account: str | None = None) -> None:
         """Ids Redis had lost and a call wrote back (in `model`'s leases or an `account`'s
         count): any this replica no longer holds (released meanwhile) goes back again."""
@@ -183,7 +157,6 @@ class Handback:
         """Forget `lease_id` in Redis now: idempotent calls that leave at once. When they
         fail, the sweeps forget it instead. `endpoint`: where its slot is, when known (else
         Redis looks it up, over every endpoint for a lease a grant did not make)."""
-        self._send_claims()  # a claim waiting for the next turn goes first
         calls: list[Any] = []
         if model is not None:
             calls.append(self.slots[model].release([lease_id], endpoint=endpoint))
@@ -257,7 +230,6 @@ class Handback:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait for calls already on their way (and those they start)."""
-        self._send_claims()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while pending := [*self._pending, *self._releasing]:

@@ -39,7 +39,11 @@ class Timing:
     """How long Redis keeps what a replica holds without hearing from it."""
 
     lease_ttl_ms: int
-    # A slot granted to a waiter must be claimed by its replica within this, or goes back.
+    # A slot granted to a waiter lasts this long until its replica's next sweep keeps it
+    # (as every lease it holds), or goes back: a grant to a replica that died returns
+    # quickly. The wake-up may come just after a sweep left, which takes at most the command
+    # timeout (else it fails as an outage); the next starts at most an interval after it
+    # ended and lands within the timeout too: two intervals and two timeouts cover it.
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep.
     waiter_ttl_ms: int
@@ -52,11 +56,12 @@ class Timing:
     @classmethod
     def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
         sweep_ms = int(sweep_interval_s * 1000)
+        timeout_ms = int(command_timeout_s * 1000)
         return cls(
             int(lease_ttl_s * 1000),
-            max(1000, 2 * sweep_ms),
+            max(3000, 2 * sweep_ms + 2 * timeout_ms),
             max(3000, 3 * sweep_ms),
-            sweep_ms * 3 // 2 + int(command_timeout_s * 1000),
+            sweep_ms * 3 // 2 + timeout_ms,
         )
 
 
@@ -303,11 +308,6 @@ class ModelSlots:
         """A preemptible lease's request is about to send its first byte: from then on it
         is never preempted. Reply 1: go on; 0: it was preempted first."""
         return ("start", self._key, [lease_id, endpoint])
-
-    def claim(self, leases: Sequence[tuple[str, str]]) -> Call:
-        """Keep these (lease id, endpoint) alive, written back if Redis lost them."""
-        flat = [x for pair in leases for x in pair]
-        return ("claim", self._key, [self._timing.lease_ttl_ms, self._fair, *flat])
 
     def sweep(self, leases: Sequence[tuple[str, str]], waiters: Sequence[tuple[str, int]]) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`

@@ -44,7 +44,8 @@ class Waiting:
         try:
             await asyncio.wait({waiter.future}, timeout=timeout_s)
         except asyncio.CancelledError:
-            self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant back
+            # Out of the queue, or its grant back (where, when its wake-up came already).
+            self.handback.give_back(lease_id, model, None, _granted(waiter.future))
             raise
         finally:
             self.holdings.waiters.pop(lease_id, None)
@@ -52,9 +53,7 @@ class Waiting:
             if (turned_away := waiter.future.exception()) is not None:
                 self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant
                 raise turned_away
-            endpoint = waiter.future.result()
-            self.handback.claim(lease_id, model, endpoint)
-            return endpoint
+            return waiter.future.result()  # kept by the next sweep, as every lease held
         return await self._cancel(lease_id, model)
 
     async def _cancel(self, lease_id: str, model: str) -> str | int:
@@ -74,3 +73,10 @@ class Waiting:
         for waiter in self.holdings.waiters.values():
             if not waiter.future.done():
                 waiter.future.set_exception(Unavailable(why, UnavailableReason.SHUTTING_DOWN))
+
+
+def _granted(future: asyncio.Future[str]) -> str:
+    """The endpoint a waiter's wake-up granted, or '' (none came, or it was turned away)."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return ""
+    return future.result()

@@ -47,7 +47,7 @@ TRANSACTION = "MULTI"
 STORE_ERRORS = (RedisError, OSError)
 
 _PRELUDED = (
-    "acquire", "release", "account", "cancel", "claim", "sweep", "move", "index", "start",
+    "acquire", "release", "account", "cancel", "sweep", "move", "index", "start",
 )  # fmt: skip
 _PLAIN = ("account_keep", "heartbeat", "usage", "ratelimit", "ratelimit_settle")
 # Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions

@@ -56,7 +56,10 @@ async def held_now(w: World, queue: dict[str, int]) -> dict[str, int]:
         want[acct] = want.get(acct, 0) + 1
         if tok:
             want["t:" + acct] = want.get("t:" + acct, 0) + tok
-    assert held == (want if queue else {}), (held, want)
+    # Kept while someone waits, and for a while after (the sweeps forget them): exact when kept.
+    counting = int(text(await w.r.hget(TAG + "ep_load", "~f") or b"0")) % 2 == 1
+    assert counting or not queue
+    assert held == (want if counting else {}), (held, want)
     return held
 
 

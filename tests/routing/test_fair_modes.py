@@ -56,9 +56,9 @@ async def queued_both(m: Model) -> tuple[str, str]:
     return wb, ws
 
 
-async def test_a_claim_written_back_counts_its_tokens(real_redis: aioredis.Redis) -> None:
-    """A grant's claim that finds its lease lost writes it back: `big` holds 2000 tokens
-    again, not 2 leases' worth."""
+async def test_a_lease_written_back_counts_its_tokens(real_redis: aioredis.Redis) -> None:
+    """A sweep keeping a grant and a lease Redis lost writes the lost one back: `big` holds
+    2000 tokens again, not 2 leases' worth."""
     m = Model(real_redis, by_tokens(5))
     small = [lid(f"S{i}", 100, "small") for i in range(2)]
     fillers = [lid(f"F{i}", 1, "filler") for i in range(2)]
@@ -69,7 +69,9 @@ async def test_a_claim_written_back_counts_its_tokens(real_redis: aioredis.Redis
     assert (await m.acquire(ws2, may_wait=True)).status == QUEUED
     await m.release(fillers[0])  # b holds 1000, s 200: s's turn
     assert ws in await m.leases()
-    await m.run(m.slots.claim([(ws, A), (lid("B1", 1000, "big"), A)]))  # B1's was lost
+    found = await m.sweep(leases=[(ws, A), (lid("B1", 1000, "big"), A)])  # B1's was lost
+    assert found.restored == [lid("B1", 1000, "big")]
+    await real_redis.delete(m.slots.keys[7])  # the rebuild window the write-back opened ends
     await m.release(small[0])  # 5 leases on 5 slots (B1 came back): no grant
     await m.release(fillers[1])  # small holds 110 tokens (ws's 10 and S1's 100), big 2000
     assert ws2 in await m.leases()

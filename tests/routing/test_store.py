@@ -187,7 +187,7 @@ async def test_the_scripts_run_as_one_library_of_functions_where_redis_has_them(
     await bounded(second.load(store))
     assert first.library == second.library
     assert set(second.functions) == {
-        "acquire", "release", "account", "cancel", "claim", "sweep", "move", "index", "start"
+        "acquire", "release", "account", "cancel", "sweep", "move", "index", "start"
     }  # fmt: skip
     key = account_key("t-lib")
     assert await bounded(second.call(store, ("account", [key], ["l1", 5, 30_000]))) == 1

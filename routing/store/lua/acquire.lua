@@ -21,7 +21,8 @@
 -- or Redis lost it: nothing was taken, the replica writes it with index.lua and asks
 -- again), -4 its wait would pass its deadline (more than max_turn grants ahead: it is not
 -- queued); turn = the grants likely to go first (prelude: `turn_of`); rebuild = ms left of
--- the rebuild window when that is why it is busy, else 0. Queued, its seq is negated when a
+-- the rebuild window when that is why it is busy, else 0; inflight = the model's leases (0
+-- when queued: not read then). Queued, its seq is negated when a
 -- lease was preempted for it (prelude: `preempt`).
 -- @needs now_ms take_account tokens_of parse_ep rescore fits take_slot take_any seat
 local id, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[7])
@@ -59,48 +60,61 @@ end
 -- @rest
 
 local rank = tonumber(ARGV[3])
-local t = words(ARGV[8 + k])
+local t, claim, ceilings, fair, fracs = spec_of(ARGV[8 + k], 9)
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
 local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1'  -- ('-': nil)
-local claim, ceilings, fair, fracs = parse_spec(t, 9)
 if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
 steady(loads[1])
--- An id queued before (an acquire sent again) leaves its old place first.
-if (requeued or redis.call('ZREM', QEXP, id)) == 1 then unqueue(id) end
--- The model may be full: leases whose replica died must not make it look so.
-reclaim(now)
+counted = loads[2] ~= false and loads[2] % 2 == 1  -- (prelude: `counting`)
+local nobody = queue_size() == 0
+-- An id queued before (an acquire sent again) leaves its old place first (only someone
+-- queued can be).
+if requeued == 1 or (not requeued and not nobody and redis.call('ZREM', QEXP, id) == 1) then
+  unqueue(id)
+end
 lost(now, known, rebuild_ms, loads[1] ~= false)
 pump((now + claim) .. '', ceilings, fair, fracs)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
-if inflight() < ceilings[rank + 1] and not rebuilding() then
-  local ep = seat(id, expiry, ARGV, 8, k, tokens, frac)
-  if ep then
-    count(id, 1)
-    if ARGV[6] == 'v' then redis.call('ZADD', PRE, now, id .. ' ' .. ep) end
-    return ep
+local function take()
+  if (ceilings[rank + 1] == math.huge or inflight() < ceilings[rank + 1])
+      and not rebuilding() then
+    return seat(id, expiry, ARGV, 8, k, tokens, frac)
   end
+end
+local ep = take()
+-- The model may look full: leases whose replica died must not make it so. Where someone
+-- waits this one queues behind them anyway (the sweeps reclaim within a second and hand the
+-- slots to the queue): one call less per queued request.
+if not ep and nobody then
+  reclaim(now)
+  ep = take()
+end
+if ep then
+  count(id, 1)
+  if ARGV[6] == 'v' then redis.call('ZADD', PRE, now, id .. ' ' .. ep) end
+  return ep
 end
 local own = redis.call('ZCARD', account_queue(rank, (account_of(id))))
 local ahead = waiting_upto(rank)
 local turn = turn_of(id, rank, fair[rank + 1], own)
-local held = inflight()
 -- While Redis is being rebuilt nobody queues either: the account counts this request was
--- checked against may not be written back yet, and a waiter would keep its entry.
+-- checked against may not be written back yet, and a waiter would keep its entry. (A
+-- refusal tells the leases in flight; a waiter is not told, one call less.)
 if rebuilding() then
-  return {0, '', held, ahead, 0, math.max(1, redis.call('PTTL', REBUILD)), turn}
+  return {0, '', inflight(), ahead, 0, math.max(1, redis.call('PTTL', REBUILD)), turn}
 end
-if may_wait ~= '1' then return {0, '', held, ahead, 0, 0, turn} end
+if may_wait ~= '1' then return {0, '', inflight(), ahead, 0, 0, turn} end
 -- The bound counts the waiters a newcomer would wait behind, so flex waiters can never make
 -- a priority request `queue_full` (the whole queue holds at most 3 x max_queue).
-if ahead >= tonumber(max_queue) then return {-1, '', held, ahead, 0, 0, turn} end
+if ahead >= tonumber(max_queue) then return {-1, '', inflight(), ahead, 0, 0, turn} end
 -- A tier that may preempt takes a slot from a flex request that has not started, rather
 -- than waiting for one to end; one whose wait would pass its deadline is not queued.
 local preempted = may_preempt and preempt(now, rank) == 1
 if not preempted and max_turn and turn > max_turn then
-  return {-4, '', held, ahead, 0, 0, turn}
+  return {-4, '', inflight(), ahead, 0, 0, turn}
 end
 local seq = at_head and head_seq(rank) or tostring(redis.call('INCR', SEQ))
 enqueue(id, rank, seq, not at_head and own or nil)
 redis.call('ZADD', QEXP, now + tonumber(waiter_ttl), id)
-return {2, '', held, ahead, preempted and -tonumber(seq) or tonumber(seq), 0, turn}
+return {2, '', 0, ahead, preempted and -tonumber(seq) or tonumber(seq), 0, turn}

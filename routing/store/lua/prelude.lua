@@ -9,10 +9,12 @@
 -- leases   ZSET "lease_id url" -> expiry (ms, Redis TIME): each names its endpoint (an id
 --          or a URL holds no space), so nothing else records where a lease runs
 -- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
--- ep_of    HASH lease_id -> endpoint url, of the slots the pump granted to waiters until
---          their replica claims them (claim.lua), so that a grant whose wake-up was lost is
---          found from its id alone in O(1) (`find_lease`). (A release before this one wrote
---          such a grant's member as the id alone: `split` still reads it.)
+-- ep_of    HASH lease_id -> endpoint url, of the slots granted to waiters by a release
+--          before this one until their replica claimed them: read (`find_lease`), never
+--          written now. A grant is found from its member "id endpoint" like every lease;
+--          from its id alone (a wake-up lost, a cancel that crossed it) only by trying every
+--          endpoint, a rare case. (An older release still wrote a grant's member as the id
+--          alone: `split` reads it.)
 -- eps      HASH endpoint url -> "max_concurrency penalty", or "max_concurrency penalty
 --          budget" for one that holds its requests' reserved tokens to a budget (`parse_ep`),
 --          of the endpoints in rotation: the endpoint index, written by a replica at start,
@@ -70,23 +72,29 @@ local SEQ, REBUILD, CHANNEL, HELD
 -- share by the spec ('a' accounts' requests, 't' their tokens, false first come first
 -- served; nil: not known, requests). `roles`: each tier's part in preemption by the spec
 -- ('p' may preempt, 'v' may be preempted, '-' neither; nil: not known, none).
-local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes, roles
+-- `counted`: whether fair share's counts are kept now (the low bit of `~f`, `counting`).
+local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes, roles, counted
 
+-- The names are made again only when the model changes: a library of Redis Functions keeps
+-- them between calls (about 0.8 usec a call), a script makes them on every call.
 local function bind(keys)
-  LEASES = keys[1]
-  BASE = string.sub(LEASES, 1, -7)
-  QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
-  EP_TOK = BASE .. 'ep_tok'
-  PRE, DOOMED = BASE .. 'pre', BASE .. 'doomed'
-  QEXP = BASE .. 'qexp'
-  EPS, FREE = BASE .. 'eps', BASE .. 'free'
-  SEQ, REBUILD, CHANNEL, HELD = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake', BASE .. 'held'
+  if keys[1] ~= LEASES then
+    LEASES = keys[1]
+    BASE = string.sub(LEASES, 1, -7)
+    QUEUE, EP_OF, EP_LOAD = BASE .. 'queue', BASE .. 'ep_of', BASE .. 'ep_load'
+    EP_TOK = BASE .. 'ep_tok'
+    PRE, DOOMED = BASE .. 'pre', BASE .. 'doomed'
+    QEXP = BASE .. 'qexp'
+    EPS, FREE = BASE .. 'eps', BASE .. 'free'
+    SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
+    HELD = BASE .. 'held'
+  end
   -- On one Redis, acquire and release may be given an account's key after the model's
   -- leases (on a Cluster they are given every key of the model, routing/admission/slots.py
   -- `declare_all`, and never an account's: it lives on another node).
   ACCOUNT = keys[#keys == 2 and 2 or 0]
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
-  modes, roles = nil, nil
+  modes, roles, counted = nil, nil, nil
 end
 
 -- @fn now_ms
@@ -427,7 +435,9 @@ local function keep_found(id, ep, m, expiry)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
 end
 
--- Whether someone may wait, in the low bit of `~f` (its other bits count frees): set to `on`,
+-- Whether fair share's counts are kept (`held`), in the low bit of `~f` (its other bits count
+-- frees): while someone waits, and for a while after the queue was last found empty (see
+-- `settle_counting`). Set, the common cases take the long way, which counts. Set to `on`,
 -- the field made if missing (without it the common cases take the long way). Returns `~f`.
 local function mark_waiting(on)
   local marks = tonumber(redis.call('HGET', EP_LOAD, '~f') or '-1')
@@ -437,11 +447,21 @@ local function mark_waiting(on)
   elseif (marks % 2 == 1) ~= on then
     marks = redis.call('HINCRBY', EP_LOAD, '~f', on and 1 or -1)
   end
+  counted = on
   return marks
 end
 
--- Count every account's leases afresh (O(leases), once each time the queue stops being
--- empty; leases granted meanwhile were not counted).
+-- Whether fair share's counts are kept now: read once per call (`counted`, which a caller
+-- that read `~f` sets itself).
+local function counting()
+  if counted == nil then
+    counted = tonumber(redis.call('HGET', EP_LOAD, '~f') or '0') % 2 == 1
+  end
+  return counted
+end
+
+-- Count every account's leases afresh (O(leases), once each time counting starts again:
+-- leases granted while it was off were not counted).
 local function recount()
   redis.call('DEL', HELD)
   local per = {}
@@ -459,8 +479,8 @@ local function recount()
   if #flat > 0 then redis.call('HSET', HELD, unpack(flat)) end
 end
 
--- One waiter more (`delta` 1) or fewer (-1) in tier `rank`: its count follows; a queue left
--- empty forgets fair share's counts and says nobody waits.
+-- One waiter more (`delta` 1) or fewer (-1) in tier `rank`: its count follows. A queue left
+-- empty keeps fair share's counts (the sweeps forget them once it stays so: `settle_counting`).
 local function queued_delta(rank, delta)
   local w = waiting_counts()
   local field = '~w' .. rank_text(rank)
@@ -470,10 +490,6 @@ local function queued_delta(rank, delta)
     n = 0
   end
   w[rank + 1] = n
-  if delta < 0 and queue_size() == 0 then
-    redis.call('DEL', HELD)
-    mark_waiting(false)
-  end
 end
 
 -- What `acct` holds by tier `rank`'s measure (`modes`): its leases, or their tokens.
@@ -497,14 +513,14 @@ local function reindex(rank, acct, weight, old)
   redis.call('ZADD', index, held_of(acct, rank) / weight, member(head[2], acct))
 end
 
--- A lease of `id`'s account was granted (1) or given back (-1): counted while someone waits
--- (its tokens too, where it reserves some), and the account's entries in the indexes of the
--- tiers it waits in follow (`skip`: a tier whose entry the caller sets itself). Only tiers
--- with waiters are looked at: one call per tier the account waits in. Returns the account,
--- its weight, and a function of a rank: what it holds now by that tier's measure (nil
--- while nobody waits).
+-- A lease of `id`'s account was granted (1) or given back (-1): counted while the counts are
+-- kept (`counting`; its tokens too, where it reserves some), and the account's entries in the
+-- indexes of the tiers it waits in follow (`skip`: a tier whose entry the caller sets
+-- itself). Only tiers with waiters are looked at: one call per tier the account waits in.
+-- Returns the account, its weight, and a function of a rank: what it holds now by that
+-- tier's measure (nil while the counts are not kept).
 local function count(id, delta, skip)
-  if queue_size() == 0 then return nil end
+  if not counting() then return nil end
   local acct, weight = account_of(id)
   local held = {[acct] = redis.call('HINCRBY', HELD, acct, delta > 0 and '1' or '-1')}
   local t = tokens_of(id)
@@ -522,7 +538,7 @@ local function count(id, delta, skip)
     local field = held_field(acct, rank)
     return held[field] or held_of(acct, rank)
   end
-  for rank, n in ipairs(waits) do
+  for rank, n in ipairs(waiting_counts()) do
     rank = rank - 1
     if rank ~= skip and n > 0 then
       local head = redis.call('ZRANGE', account_queue(rank, acct), '0', '0', 'WITHSCORES')
@@ -540,7 +556,7 @@ end
 -- queue only when that was empty); nil for a waiter queued again at its old place (the
 -- sweep), which may head it.
 local function enqueue(id, rank, seq, own)
-  if queue_size() == 0 then
+  if not counting() then
     recount()
     mark_waiting(true)
   end
@@ -731,8 +747,8 @@ end
 -- The waiter `head` (`eligible_head`) takes a slot on `ep` (counted there already, its
 -- tokens too): it leaves the queue, its account holds one more, and its replica is woken by
 -- message. Its lease ("id endpoint", as every lease) lasts only `claim_until` (ms, as text)
--- until its replica claims it (a grant to a replica that died goes back quickly); `ep_of`
--- finds it from the id alone meanwhile (`find_lease`).
+-- until its replica's next sweep keeps it as it keeps every lease (a grant to a replica that
+-- died goes back quickly).
 local function grant_head(head, ep, claim_until)
   local id = head.id
   if leases_n then leases_n = leases_n + 1 end
@@ -742,7 +758,6 @@ local function grant_head(head, ep, claim_until)
   if head.entry then take_head(head, held and held(head.rank)) else unqueue(id, head.place) end
   local m = id .. ' ' .. ep
   redis.call('ZADD', LEASES, claim_until, m)
-  redis.call('HSET', EP_OF, id, ep)
   if roles and roles[head.rank + 1] == 'v' then redis.call('ZADD', PRE, now_ms(), m) end
   redis.call('PUBLISH', CHANNEL, m)
 end
@@ -861,7 +876,7 @@ local function words(s)
 end
 
 -- Each tier's way of sharing from its letters, best first ('a', 't' or false for 'f': as
--- `parse_spec`), set as `modes` too: for the scripts given only these (cancel, claim, move),
+-- `parse_spec`), set as `modes` too: for the scripts given only these (cancel, move),
 -- so that an account's entry they write in a tier's index is by that tier's own measure.
 local function fair_modes(letters)
   local fair = {}
@@ -900,4 +915,31 @@ local function parse_spec(t, at)
   roles = {}
   for i = 1, n do roles[i] = string.sub(letters, i, i) end
   return tonumber(t[a + 1]), ceilings, fair, fracs
+end
+
+-- The words of a packed argument and its spec parsed (`words`, `parse_spec` from index `at`),
+-- kept by the text they came from: a model's spec (and an acquire's packed argument, but for
+-- a deadline) is the same from call to call, and a library of Redis Functions keeps them
+-- between calls (about 4.5 usec a call; a script parses each time). What is kept is only
+-- read. At most SPECS_MAX texts per `at`, all forgotten when that is reached.
+local SPECS_MAX = 256
+local specs, specs_n = {}, {}
+
+local function spec_of(packed, at)
+  at = at or 1
+  local kept = specs[at]
+  if not kept or specs_n[at] >= SPECS_MAX then
+    kept = {}
+    specs[at], specs_n[at] = kept, 0
+  end
+  local c = kept[packed]
+  if not c then
+    local t = words(packed)
+    local claim, ceilings, fair, fracs = parse_spec(t, at)
+    kept[packed], specs_n[at] = {t, claim, ceilings, fair, fracs, roles}, specs_n[at] + 1
+    return t, claim, ceilings, fair, fracs
+  end
+  if #c[3] ~= ranks then ranks, waits = #c[3], nil end
+  modes, roles = c[4], c[6]
+  return c[1], c[2], c[3], c[4], c[5]
 end

@@ -19,29 +19,39 @@ for i = 3, 2 + 2 * tonumber(ARGV[2]), 2 do
   end
   if ACCOUNT then redis.call('ZREM', ACCOUNT, id) end
 end
--- The frees counted, and whether anyone may wait, in one call (prelude: `~f`; text for the
--- common one: a number costs a conversion). Nobody waits: the endpoints' loads go back, and
--- there is nothing to hand on (expired leases wait for the sweep). Someone waits: the rest
--- hands each slot on, on its endpoint when no other has room (prelude: `hand_on`).
+-- The frees counted, and whether fair share's counts are kept (someone waits, or did
+-- lately), in one call (prelude: `~f`, `counting`; text for the common one: a number costs a
+-- conversion). Not kept: nobody waits, the endpoints' loads go back, and there is nothing to
+-- hand on (expired leases wait for the sweep). Kept: the rest counts, and while someone
+-- waits hands each slot on, on its endpoint when no other has room (prelude: `hand_on`).
 local waiting = true
 if #freed > 0 then
   local marks = redis.call('HINCRBY', EP_LOAD, '~f', #freed == 1 and '2' or 2 * #freed)
   waiting = marks % 2 == 1
+  counted = waiting
   if not waiting then
     for i, ep in ipairs(on) do give_slot(freed[i], ep) end
     if #unsure == 0 then return 0 end
   end
 end
 -- @rest
-local now = now_ms()
-local claim, ceilings, fair, fracs = parse_spec(words(ARGV[1]))
-local claim_until = (now + claim) .. ''
+local _, claim, ceilings, fair, fracs = spec_of(ARGV[1])
 -- The state marker and the waiters per tier, in one call (prelude: `ep_load`).
 local fields = {'~s'}
 for r = 1, #ceilings do fields[r + 1] = '~w' .. rank_text(r - 1) end
 local state = redis.call('HMGET', EP_LOAD, unpack(fields))
 steady(state[1])
 set_waits({unpack(state, 2)})
+-- The counts are kept but nobody waits (a queue left lately): each lease is counted back,
+-- its load goes back, and there is nothing to hand on.
+if waiting and #unsure == 0 and queue_size() == 0 then
+  for i, ep in ipairs(on) do
+    count(freed[i], -1)
+    give_slot(freed[i], ep)
+  end
+  return 0
+end
+local claim_until = (now_ms() + claim) .. ''
 -- An id not found where the caller said (or it did not know): a waiter still queued, else
 -- a lease elsewhere (granted while it waited, or moved; prelude: `find_lease`).
 local found = {}
@@ -63,7 +73,7 @@ local granted = 0
 if waiting then
   for _, id in ipairs(freed) do count(id, -1) end
   for i, ep in ipairs(on) do
-    if hand_on(freed[i], ep, claim_until, ceilings, fair, fracs) then
+    if queue_size() > 0 and hand_on(freed[i], ep, claim_until, ceilings, fair, fracs) then
       granted = granted + 1
     else
       give_slot(freed[i], ep)

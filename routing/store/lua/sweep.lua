@@ -24,18 +24,22 @@ end
 
 -- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
 -- differ: whatever slipped (a replica of the release before queues without counting). A
--- queue found waiting where the counts said empty has its fair-share counts made afresh.
+-- queue found waiting while fair share's counts are not kept has them made afresh (the
+-- pump below counts from there on).
 local function mend_waits(waiting)
-  local real, was, now_total, changed = {}, 0, 0, false
+  local real, now_total, changed = {}, 0, false
   local w = waiting_counts()
   for rank = 0, ranks - 1 do
     real[rank + 1] = waiting and
       redis.call('ZCOUNT', QUEUE, rank * RANK, '(' .. score((rank + 1) * RANK)) or 0
-    was, now_total = was + (w[rank + 1] or 0), now_total + real[rank + 1]
+    now_total = now_total + real[rank + 1]
     changed = changed or real[rank + 1] ~= w[rank + 1]
   end
+  if now_total > 0 and not counting() then
+    recount()
+    mark_waiting(true)
+  end
   if not changed then return end
-  if was == 0 and now_total > 0 then recount() end
   local flat = {}
   for rank = 0, ranks - 1 do
     flat[#flat + 1] = '~w' .. rank
@@ -71,10 +75,36 @@ local function rescore_fair(fair)
   end
 end
 
+-- Fair share's counts are kept while someone waits and for KEEP_MS after a sweep first found
+-- the queue empty (`~e` in `ep_load`: when): a model at its capacity, whose queue comes and
+-- goes, would otherwise count every lease afresh (O(leases), `recount`) each time a request
+-- queues behind an empty queue. Once the queue stayed empty that long the counts go, and the
+-- common cases skip them again. Returns `~f`.
+local KEEP_MS = 10000
+local function settle_counting(now)
+  if queue_size() > 0 then
+    if not counting() then recount() end
+    redis.call('HDEL', EP_LOAD, '~e')
+    return mark_waiting(true)
+  end
+  local found = redis.call('HMGET', EP_LOAD, '~f', '~e')
+  local marks, since = tonumber(found[1]), tonumber(found[2])
+  if marks and marks % 2 == 1 then
+    if not since then
+      redis.call('HSET', EP_LOAD, '~e', now)
+      return marks
+    end
+    if now - since < KEEP_MS then return marks end
+  end
+  redis.call('DEL', HELD)
+  if since then redis.call('HDEL', EP_LOAD, '~e') end
+  return mark_waiting(false)
+end
+
 local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', QUEUE) > 0
-local claim, ceilings, fair, fracs = parse_spec(words(ARGV[3]))
+local _, claim, ceilings, fair, fracs = spec_of(ARGV[3])
 expire(now, waiting)
 local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -141,9 +171,9 @@ if roles and string.find(table.concat(roles), 'v', 1, true) then
   redis.call('ZREMRANGEBYSCORE', PRE, '-inf', now - 2 * ttl)
   redis.call('ZREMRANGEBYSCORE', DOOMED, '-inf', now - ttl)
 end
--- The waiting bit the common cases read, set right (it is kept at each change of the
--- queue between empty and not; a sweep mends whatever slipped).
-local marks = mark_waiting(queue_size() > 0)
+-- The counting bit the common cases read, set right (an enqueue sets it; a sweep mends
+-- whatever slipped, and clears it once the queue stayed empty: `settle_counting`).
+local marks = settle_counting(now)
 local state = {redis.call('ZCARD', LEASES)}
 -- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
 -- lease an older release reclaimed without knowing its endpoint, during a rolling update).
