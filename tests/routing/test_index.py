@@ -20,14 +20,18 @@ pytestmark = pytest.mark.usefixtures("script_modes")
 C = "http://c:8000"
 
 
+# The long entry each endpoint key holds beside the endpoints (prelude.lua `WIDE`).
+WIDE = "~" + "-" * 64
+
+
 async def with_room(m: Model) -> set[str]:
     """The endpoints the index holds as having room (`free`)."""
-    return {text(u) for u in await m.client.zrange(m.slots.keys[9], 0, -1)}
+    return {text(u) for u in await m.client.zrange(m.slots.keys[9], 0, -1)} - {WIDE}
 
 
 async def in_rotation(m: Model) -> dict[str, str]:
     raw = await m.client.hgetall(m.slots.keys[8])
-    return {text(k): text(v) for k, v in raw.items()}
+    return {text(k): text(v) for k, v in raw.items() if text(k) != WIDE}
 
 
 async def test_a_resize_mid_load_holds_each_endpoint_to_its_new_size(
@@ -200,3 +204,23 @@ async def test_a_slot_the_sweep_finds_again_goes_to_a_waiter_in_the_same_sweep(
     await m.sweep(waiters=[("w1", waiter.place + Tier.DEFAULT.rank * RANK)])
     assert await m.queue() == []  # granted by this sweep's pump (its wake-up published)
     assert await m.leases() == {"w1"} and await m.load() == {A: 1}
+
+
+async def test_the_endpoint_keys_never_are_flat_lists(real_redis: aioredis.Redis) -> None:
+    """Redis keeps a small sorted set or hash as one flat list searched end to end (a
+    listpack): `free`, `ep_load` and `eps` hold a long entry beside the endpoints, so they
+    are a skip list and hash tables from the first index write, stay so when the model is
+    full (`free` keeps its entry: it never goes), and the entry is no endpoint."""
+    m = Model(real_redis, slots([(A, 1), (B, 1)]))
+    await m.write_index()
+    keys = m.slots.keys
+    encodings = [text(await real_redis.object("ENCODING", keys[i])) for i in (9, 3, 8)]
+    assert encodings == ["skiplist", "hashtable", "hashtable"]
+    assert (await m.acquire("l1")).endpoint != (await m.acquire("l2")).endpoint
+    assert await with_room(m) == set() and await real_redis.zcard(keys[9]) == 1
+    assert (await m.acquire("l3")).status == BUSY
+    await real_redis.zrem(keys[9], WIDE)  # an older replica took it for an endpoint
+    await m.release("l1")
+    await m.sweep()  # puts it back
+    assert text(await real_redis.object("ENCODING", keys[9])) == "skiplist"
+    assert await with_room(m) == {A} and set(await in_rotation(m)) == {A, B}

@@ -29,7 +29,7 @@ end
 local leave = {}
 if ARGV[2] == '' then
   for _, url in ipairs(redis.call('HKEYS', EPS)) do
-    if not given[url] then leave[#leave + 1] = url end
+    if not given[url] and url ~= WIDE then leave[#leave + 1] = url end
   end
 else
   local at = 6 + 5 * n
@@ -48,4 +48,5 @@ for i = 6, 5 + 5 * n, 5 do
   rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
 end
 redis.call('HSET', EP_LOAD, '~v', ARGV[1])
+wide()
 return 1

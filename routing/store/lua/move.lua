@@ -32,7 +32,7 @@ local function choose()
     return best
   end
   for _, ep in ipairs(redis.call('ZRANGE', FREE, 0, n_tried + 1)) do
-    if ep ~= avoid and not tried[ep] then return ep end
+    if ep ~= avoid and not tried[ep] and ep ~= WIDE then return ep end
   end
   return nil
 end

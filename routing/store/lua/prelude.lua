@@ -56,6 +56,15 @@ local STEADY = '0'
 -- not checked (routing/slots.py `UNBOUND`).
 local UNBOUND = '-'
 local RANK = 1e15
+-- A member of `free` that is no endpoint, always there (scored +inf: last, after every
+-- endpoint with room), and a field of `ep_load` and `eps` likewise: longer than the 64
+-- bytes Redis keeps in a flat list (a listpack, searched from end to end: by default up to
+-- 128 entries), so those keys are a skip list and hash tables whatever the number of
+-- endpoints, and `free` never goes when the model is full. On 64 endpoints the flat lists
+-- cost an admission 35-38 us of Redis CPU where 1 or 1,000 endpoints cost 21-25
+-- (bench/fleet.py). Written with the index (index.lua) and by the sweeps; `wide`.
+-- (A literal: a library's load may not call `string`.)
+local WIDE = '~----------------------------------------------------------------'
 local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 -- Everything below is per call, set by `bind` before a script's own code runs: the keys'
 -- names, and what a call reads once (a call runs at one instant). The scripts run as one
@@ -230,12 +239,13 @@ local function take_any(t, frac, try)
   for _ = 1, 8 do
     if full then return nil end
     local heads = redis.call('ZRANGE', FREE, '0', few)
-    if not heads[1] then
+    if not heads[1] or heads[1] == WIDE then
       full = true
       return nil
     end
     local dropped = false
     for _, ep in ipairs(heads) do
+      if ep == WIDE then break end
       local ok, kept
       if try then ok, kept = try(ep) else ok, kept = take_slot(ep, t, frac) end
       if ok then return ep end
@@ -740,7 +750,8 @@ end
 -- known in this call.
 local function has_room()
   if full then return false end
-  full = redis.call('ZRANGE', FREE, '0', '0')[1] == nil
+  local head = redis.call('ZRANGE', FREE, '0', '0')[1]
+  full = not head or head == WIDE
   return not full
 end
 
@@ -942,4 +953,12 @@ local function spec_of(packed, at)
   if #c[3] ~= ranks then ranks, waits = #c[3], nil end
   modes, roles = c[4], c[6]
   return c[1], c[2], c[3], c[4], c[5]
+end
+
+-- The endpoint keys' long entries (prelude `WIDE`), where missing: a Redis that lost them
+-- (restarted empty, an older replica took the one in `free` for an endpoint).
+local function wide()
+  redis.call('ZADD', FREE, 'NX', '+inf', WIDE)
+  redis.call('HSET', EP_LOAD, WIDE, '0')
+  redis.call('HSET', EPS, WIDE, '-')
 end

@@ -152,6 +152,7 @@ end
 if #restored + requeued > 0 and not rebuilding() then
   open_window(ARGV[tail])
 end
+wide()
 -- A few endpoints' place in `free` set again from their own count, before the pump: a slot
 -- it missed (a rolling update's older replica freed it) goes to a waiter now.
 local recheck = tail + 2
