@@ -731,3 +731,29 @@ async def test_the_scripts_take_any_number_of_tiers(
     assert await m.release("l2") == 1
     assert await m.queue() == []
     await m.release("w-flex", "w-bulk")
+
+
+async def test_a_sweep_that_writes_back_still_finds_its_waiters_grants(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A replica's sweeps were late: its lease l2 expired and another replica's sweep
+    reclaimed it; meanwhile its waiter w was granted a slot (the wake-up not read yet).
+    Its next sweep writes l2 back and must still find w's grant (found by its member now:
+    no `ep_of`), not queue w again as if Redis had lost it: w would hold its grant and
+    wait for a second slot, counted twice on its endpoint if granted there again."""
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    queued = await m.acquire("w", may_wait=True)
+    place = Tier.DEFAULT.rank * RANK + queued.place
+    assert await m.release("l1") == 1  # granted to w (its wake-up still on the way)
+    ep = (await m.member("w") or "").split(" ")[1]
+    l2_at = (await m.member("l2") or "").split(" ")[1]
+    await m.expire_lease("l2")
+    await m.sweep()  # another replica's sweep reclaims l2
+    found = await m.sweep(leases=[("l2", l2_at)], waiters=[("w", place)])
+    assert found.restored == ["l2"]
+    assert found.granted == [ep]
+    assert await m.queue() == []
+    assert await m.leases() == {"l2", "w"}
+    assert await m.load() == {A: 1, B: 1}

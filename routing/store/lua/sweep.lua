@@ -124,8 +124,10 @@ end
 at = at + 2 * n + 1
 local granted, requeued = {}, 0
 -- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
--- looked for among the endpoints (prelude: `find_lease`), it goes back to its place.
-local scan = not fresh and #restored == 0
+-- looked for among the endpoints (prelude: `find_lease`), it goes back to its place. A lease
+-- written back without that (it expired: this replica's sweeps were late; a failover lost
+-- it) says nothing of a waiter's grant, found only so (no `ep_of` for it).
+local scan = not fresh
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do
   local id = ARGV[i]
   local place = redis.call('ZSCORE', QUEUE, id)
