@@ -757,3 +757,24 @@ async def test_a_sweep_that_writes_back_still_finds_its_waiters_grants(
     assert await m.queue() == []
     assert await m.leases() == {"l2", "w"}
     assert await m.load() == {A: 1, B: 1}
+
+
+async def test_no_grant_of_an_older_release_is_left_in_ep_of(real_redis: aioredis.Redis) -> None:
+    """A rolling update: a replica of the release before hands a slot to a waiter of this
+    release and writes the grant in `ep_of` (its holder claimed it there, which deleted the
+    entry; this release never claims). The holder's sweep keeps the lease by its member and
+    its release gives it back on its endpoint: once nothing is held, no entry is left."""
+    m = Model(real_redis, slots())
+    await m.acquire("l1")
+    await m.acquire("l2")
+    assert (await m.acquire("w", may_wait=True)).status == QUEUED
+    assert await m.release("l1") == 1
+    ep = (await m.member("w") or "").split(" ")[1]
+    l2_at = (await m.member("l2") or "").split(" ")[1]
+    await real_redis.hset(m.slots.keys[2], "w", ep)  # as the older release's grant wrote it
+    await m.sweep(leases=[("w", ep), ("l2", l2_at)])  # kept, as every lease
+    await m.run(m.slots.release(["w"], endpoint=ep))
+    await m.run(m.slots.release(["l2"], endpoint=l2_at))
+    await m.sweep()
+    assert await m.leases() == set()
+    assert not await real_redis.exists(m.slots.keys[2])

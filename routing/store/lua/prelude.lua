@@ -11,9 +11,10 @@
 -- queue    ZSET waiter_id -> rank * 1e15 + sequence (rank 0 priority, 1 default, 2 flex)
 -- ep_of    HASH lease_id -> endpoint url, of the slots granted to waiters by a release
 --          before this one until their replica claimed them: read (`find_lease`), never
---          written now. A grant is found from its member "id endpoint" like every lease;
---          from its id alone (a wake-up lost, a cancel that crossed it) only by trying every
---          endpoint, a rare case. (An older release still wrote a grant's member as the id
+--          written now (a sweep that finds no lease at all drops what is left). A grant is
+--          found from its member "id endpoint" like every lease; from its id alone (a
+--          wake-up lost, a cancel that crossed it) only by trying every endpoint, a rare
+--          case. (An older release still wrote a grant's member as the id
 --          alone: `split` reads it.)
 -- eps      HASH endpoint url -> "max_concurrency penalty", or "max_concurrency penalty
 --          budget" for one that holds its requests' reserved tokens to a budget (`parse_ep`),

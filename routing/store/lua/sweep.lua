@@ -180,7 +180,10 @@ local marks = settle_counting(now)
 local state = {redis.call('ZCARD', LEASES)}
 -- Nothing held: every endpoint's load is 0. Mends a count that could not be taken back (a
 -- lease an older release reclaimed without knowing its endpoint, during a rolling update).
+-- Nor is any grant in `ep_of`: an older release's grant to a waiter of this one stays there
+-- (only its claim deleted it, and this release does not claim) after its lease ended.
 if state[1] == 0 then
+  redis.call('DEL', EP_OF)
   local tokens = redis.call('DEL', EP_TOK) == 1  -- none reserved either
   local fields = redis.call('HGETALL', EP_LOAD)
   for i = 1, #fields, 2 do
