@@ -11,9 +11,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from routing.admission.slots import GRANTED
+from routing.admission.slots import GRANTED, QUEUED
 from tests.redis_server import RedisServer
 from tests.routing.test_slots import A, B, Model, slots
+from tiers.policy import Tier
 
 
 async def test_a_full_model_reclaims_expired_leases_before_turning_a_request_away(
@@ -80,3 +81,20 @@ async def test_the_cheap_paths_run_while_redis_is_full(tmp_path: Path) -> None:
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_worse_tiers_waiters_do_not_stop_the_reclaim_before_a_refusal(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Only flex waits, held back by its ceiling: a default request that may not wait, finding
+    the model full only because of a dead replica's lease, still reclaims it and is served
+    (a waiter of its own tier or a better one would go first: then the sweeps reclaim)."""
+    m = Model(real_redis, slots([(A, 5)], flex=0.8))
+    for i in range(4):
+        assert (await m.acquire(f"l{i}")).status == GRANTED
+    assert (await m.acquire("f", Tier.FLEX, may_wait=True)).status == QUEUED  # at its ceiling
+    assert (await m.acquire("l4")).status == GRANTED
+    await m.expire_lease("l0")
+    assert (await m.acquire("d")).status == GRANTED
+    assert await m.queue() == ["f"]
+    assert "l0" not in await m.leases()

@@ -83,10 +83,11 @@ local function take()
   end
 end
 local ep = take()
--- The model may look full: leases whose replica died must not make it so. Where someone
--- waits this one queues behind them anyway (the sweeps reclaim within a second and hand the
--- slots to the queue): one call less per queued request.
-if not ep and nobody then
+-- The model may look full: leases whose replica died must not make it so. Where someone of
+-- this tier or a better one waits, this one queues behind them anyway (the sweeps reclaim
+-- within a second and hand the slots to the queue): one call less per queued request. (A
+-- worse tier's waiters, held back by its ceiling, do not hold this one back.)
+if not ep and waiting_upto(rank) == 0 then
   reclaim(now)
   ep = take()
 end
