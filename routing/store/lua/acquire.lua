@@ -66,12 +66,11 @@ local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1' 
 if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
 steady(loads[1])
 counted = loads[2] ~= false and loads[2] % 2 == 1  -- (prelude: `counting`)
-local nobody = queue_size() == 0
--- An id queued before (an acquire sent again) leaves its old place first (only someone
--- queued can be).
-if requeued == 1 or (not requeued and not nobody and redis.call('ZREM', QEXP, id) == 1) then
-  unqueue(id)
-end
+-- An id queued before (an acquire sent again) leaves its old place first where the guard
+-- above found it. (A library runs without the guard: such an id is queued again at the
+-- back, its places updated where they are, the count unchanged, and its account's entry in
+-- the index set right at the account's next grant. The gateway never sends one.)
+if requeued == 1 then unqueue(id) end
 lost(now, known, rebuild_ms, loads[1] ~= false)
 pump((now + claim) .. '', ceilings, fair, fracs)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its

@@ -83,7 +83,10 @@ local SEQ, REBUILD, CHANNEL, HELD
 -- served; nil: not known, requests). `roles`: each tier's part in preemption by the spec
 -- ('p' may preempt, 'v' may be preempted, '-' neither; nil: not known, none).
 -- `counted`: whether fair share's counts are kept now (the low bit of `~f`, `counting`).
+-- `roomy`: `free` is known to hold an endpoint (`has_room`), `free_head`: which is first
+-- (`take_any`); both forgotten at each write to `free` (`rescore`, `take_slot`).
 local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes, roles, counted
+local roomy, free_head
 
 -- The names are made again only when the model changes: a library of Redis Functions keeps
 -- them between calls (about 0.8 usec a call), a script makes them on every call.
@@ -105,6 +108,7 @@ local function bind(keys)
   ACCOUNT = keys[#keys == 2 and 2 or 0]
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
   modes, roles, counted = nil, nil, nil
+  roomy, free_head = nil, nil
 end
 
 -- @fn now_ms
@@ -170,10 +174,11 @@ local function rescore(ep, load, spec, tok)
       touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
     end
     redis.call('ZADD', FREE, used + penalty + touched, ep)
-    full = false
+    full, roomy, free_head = false, true, nil
     return true
   end
   redis.call('ZREM', FREE, ep)
+  roomy, free_head = nil, nil
   return false
 end
 
@@ -197,6 +202,7 @@ local function take_slot(ep, t, frac)
   local spec = redis.call('HGET', EPS, ep)
   if not spec then
     redis.call('ZREM', FREE, ep)
+    roomy, free_head = nil, nil
     return false, false
   end
   local size, _, budget, whole = parse_ep(spec)
@@ -239,9 +245,14 @@ local function take_any(t, frac, try)
   local few = t > 0 and '3' or '0'
   for _ = 1, 8 do
     if full then return nil end
-    local heads = redis.call('ZRANGE', FREE, '0', few)
+    local heads
+    if few == '0' and free_head then
+      heads = {free_head}  -- (`has_room` just read it)
+    else
+      heads = redis.call('ZRANGE', FREE, '0', few)
+    end
     if not heads[1] or heads[1] == WIDE then
-      full = true
+      full, roomy, free_head = true, nil, nil
       return nil
     end
     local dropped = false
@@ -748,11 +759,13 @@ local function lost(now, known, rebuild_ms, present)
 end
 
 -- Whether some endpoint in rotation has room (`free` is not empty): one read, none once
--- known in this call.
+-- known in this call (`full`, `roomy`).
 local function has_room()
   if full then return false end
+  if roomy then return true end
   local head = redis.call('ZRANGE', FREE, '0', '0')[1]
   full = not head or head == WIDE
+  if not full then roomy, free_head = true, head end
   return not full
 end
 
