@@ -98,3 +98,40 @@ async def test_a_worse_tiers_waiters_do_not_stop_the_reclaim_before_a_refusal(
     assert (await m.acquire("d")).status == GRANTED
     assert await m.queue() == ["f"]
     assert "l0" not in await m.leases()
+
+
+@pytest.mark.usefixtures("script_modes")
+async def test_a_better_tiers_waiters_held_by_its_ceiling_do_not_stop_the_reclaim(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Priority's ceiling set below default's: priority waits, held back by it. A default
+    request that may not wait, finding the model full only because of a dead replica's
+    lease, still reclaims it and is served (the priority waiter could not take the slot)."""
+    m = Model(real_redis, slots([(A, 5)], priority=0.4))  # priority's ceiling: 2
+    for i in range(2):
+        assert (await m.acquire(f"p{i}", Tier.PRIORITY)).status == GRANTED
+    assert (await m.acquire("pw", Tier.PRIORITY, may_wait=True)).status == QUEUED
+    for i in range(2, 5):
+        assert (await m.acquire(f"l{i}")).status == GRANTED
+    await m.expire_lease("l2")
+    assert (await m.acquire("d")).status == GRANTED
+    assert await m.queue() == ["pw"]
+    assert "l2" not in await m.leases()
+
+
+@pytest.mark.usefixtures("script_modes")
+async def test_what_the_reclaim_lets_under_a_better_tiers_ceiling_goes_to_its_waiter_first(
+    real_redis: aioredis.Redis,
+) -> None:
+    """As above, but the reclaim brings the model under priority's ceiling: its waiter takes a
+    slot before the default newcomer does (which would otherwise hold it at its ceiling)."""
+    m = Model(real_redis, slots([(A, 5)], priority=0.4))  # priority's ceiling: 2
+    assert (await m.acquire("p0", Tier.PRIORITY)).status == GRANTED
+    for i in range(1, 5):
+        assert (await m.acquire(f"l{i}")).status == GRANTED
+    assert (await m.acquire("pw", Tier.PRIORITY, may_wait=True)).status == QUEUED
+    for i in range(1, 5):
+        await m.expire_lease(f"l{i}")
+    assert (await m.acquire("d")).status == GRANTED
+    assert await m.queue() == []
+    assert await m.leases() == {"p0", "pw", "d"}

@@ -82,12 +82,26 @@ local function take()
   end
 end
 local ep = take()
--- The model may look full: leases whose replica died must not make it so. Where someone of
--- this tier or a better one waits, this one queues behind them anyway (the sweeps reclaim
--- within a second and hand the slots to the queue): one call less per queued request. (A
--- worse tier's waiters, held back by its ceiling, do not hold this one back.)
-if not ep and waiting_upto(rank) == 0 then
+-- Whether a waiter of this tier or a better one may take a slot now: its tier waits and its
+-- ceiling lets it (no call beyond the leases' count, read once).
+local function ahead_may_go()
+  local w = waiting_counts()
+  for r = 1, rank + 1 do
+    if (w[r] or 0) > 0 and (ceilings[r] == math.huge or inflight() < ceilings[r]) then
+      return true
+    end
+  end
+  return false
+end
+-- The model may look full: leases whose replica died must not make it so. Where a waiter of
+-- this tier or a better one may take a slot, this one queues behind them anyway (the sweeps
+-- reclaim within a second and hand the slots to the queue): one call less per queued
+-- request. Waiters held back by their tier's ceiling (a worse tier's, or a better tier's
+-- set below this one's) do not hold this one back; what the reclaim frees goes to the queue
+-- first (one it lets under its ceiling), as every slot does, then to this one.
+if not ep and not ahead_may_go() then
   reclaim(now)
+  pump((now + claim) .. '', ceilings, fair, fracs)
   ep = take()
 end
 if ep then
