@@ -224,3 +224,114 @@ async def test_the_endpoint_keys_never_are_flat_lists(real_redis: aioredis.Redis
     await m.sweep()  # puts it back
     assert text(await real_redis.object("ENCODING", keys[9])) == "skiplist"
     assert await with_room(m) == {A} and set(await in_rotation(m)) == {A, B}
+
+
+# An acquire's seat as the release before the long entry wrote it (routing/store/lua/
+# prelude.lua at 270779b: parse_ep, fits, rescore, take_slot, take_any and seat, verbatim
+# but for the comments): it knows nothing of WIDE. KEYS[1] the model's leases; ARGV: the
+# lease id, its expiry. Returns the endpoint, or false.
+OLDER_SEAT = """
+local LEASES = KEYS[1]
+local BASE = string.sub(LEASES, 1, -7)
+local EPS, FREE = BASE .. 'eps', BASE .. 'free'
+local EP_LOAD, EP_TOK = BASE .. 'ep_load', BASE .. 'ep_tok'
+local full, clock, touched = false, nil, nil
+local function parse_ep(spec)
+  local size, penalty, budget, whole = string.match(spec, '^(%S+) (%S+) ?(%S*) ?(%S*)')
+  budget = tonumber(budget)
+  return tonumber(size), tonumber(penalty), budget, tonumber(whole) or budget
+end
+local function fits(t, tok, budget, whole, frac)
+  return not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole)
+end
+local function rescore(ep, load, spec, tok)
+  spec = spec or redis.call('HGET', EPS, ep)
+  if not spec then return nil end
+  local size, penalty, budget = parse_ep(spec)
+  local used = load / size
+  if budget then
+    tok = tok or tonumber(redis.call('HGET', EP_TOK, ep)) or 0
+    if tok / budget > used then used = tok / budget end
+  end
+  if used < 1 then
+    if not touched then
+      clock = clock or redis.call('TIME')
+      local t = clock
+      touched = ((t[1] % 100) * 1e6 + t[2]) * 1e-14
+    end
+    redis.call('ZADD', FREE, used + penalty + touched, ep)
+    full = false
+    return true
+  end
+  redis.call('ZREM', FREE, ep)
+  return false
+end
+local function take_slot(ep, t, frac)
+  local spec = redis.call('HGET', EPS, ep)
+  if not spec then
+    redis.call('ZREM', FREE, ep)
+    return false, false
+  end
+  local size, _, budget, whole = parse_ep(spec)
+  local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
+  local tok = t > 0 and redis.call('HINCRBY', EP_TOK, ep, t) or nil
+  if load <= size and fits(t, tok, budget, whole, frac) then
+    rescore(ep, load, spec, tok)
+    return true, true
+  end
+  load = redis.call('HINCRBY', EP_LOAD, ep, '-1')
+  if t > 0 then tok = redis.call('HINCRBY', EP_TOK, ep, -t) end
+  return false, rescore(ep, load, spec, tok)
+end
+local function take_any(t, frac, try)
+  local few = t > 0 and '3' or '0'
+  for _ = 1, 8 do
+    if full then return nil end
+    local heads = redis.call('ZRANGE', FREE, '0', few)
+    if not heads[1] then
+      full = true
+      return nil
+    end
+    local dropped = false
+    for _, ep in ipairs(heads) do
+      local ok, kept
+      if try then ok, kept = try(ep) else ok, kept = take_slot(ep, t, frac) end
+      if ok then return ep end
+      dropped = dropped or not kept
+    end
+    if not dropped then return nil end
+  end
+  return nil
+end
+local id, expiry = ARGV[1], ARGV[2]
+local function try(ep)
+  local m = id .. ' ' .. ep
+  redis.call('ZADD', LEASES, expiry, m)
+  local ok, kept = take_slot(ep, 0, 1)
+  if not ok then redis.call('ZREM', LEASES, m) end
+  return ok, kept
+end
+return take_any(0, 1, try) or false
+"""
+
+
+async def test_an_older_replica_finding_the_model_full_is_refused_cleanly(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A rolling update: a replica of the release before the long entry takes `free`'s head
+    for an endpoint. On a full model that is WIDE, which `eps` names too: its take_slot must
+    find it full (and drop it from `free`, which the next sweep mends), not fail midway
+    with a lease on WIDE written (counted in the model's leases, and whose reclaim then
+    failed every script that ran it)."""
+    m = Model(real_redis, slots([(A, 1)]))
+    assert (await m.acquire("l1")).endpoint == A
+    keys = m.slots.keys
+    expiry = await m.now_ms() + 100
+    assert await real_redis.eval(OLDER_SEAT, 1, keys[0], "old-1", expiry) is None
+    assert await m.leases() == {"l1"}
+    assert (await real_redis.hgetall(keys[3]))[WIDE.encode()] == b"0"
+    await m.sweep()  # puts WIDE back in `free`
+    assert await real_redis.zrange(keys[9], 0, -1) == [WIDE.encode()]
+    await m.release("l1")
+    assert await with_room(m) == {A}
+    assert (await m.acquire("l2")).endpoint == A

@@ -63,7 +63,11 @@ local RANK = 1e15
 -- 128 entries), so those keys are a skip list and hash tables whatever the number of
 -- endpoints, and `free` never goes when the model is full. On 64 endpoints the flat lists
 -- cost an admission 35-38 us of Redis CPU where 1 or 1,000 endpoints cost 21-25
--- (bench/fleet.py). Written with the index (index.lua) and by the sweeps; `wide`.
+-- (bench/fleet.py). Written with the index (index.lua) and by the sweeps; `wide`. In `eps` it
+-- reads as an endpoint of size 0 ('0 0'): a replica of a release before it, which takes
+-- `free`'s head for an endpoint, finds it full there, drops it from `free` (the next sweep
+-- puts it back) and takes none (an entry it could not read failed its script midway, a
+-- lease on it written, whose reclaim failed every script of this release that ran it).
 -- (A literal: a library's load may not call `string`.)
 local WIDE = '~----------------------------------------------------------------'
 local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
@@ -974,5 +978,5 @@ end
 local function wide()
   redis.call('ZADD', FREE, 'NX', '+inf', WIDE)
   redis.call('HSET', EP_LOAD, WIDE, '0')
-  redis.call('HSET', EPS, WIDE, '-')
+  redis.call('HSET', EPS, WIDE, '0 0')
 end
