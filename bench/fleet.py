@@ -16,6 +16,8 @@ bench/fleet_http.py.
 
 One cycle is one admission, and every script call of it is counted:
 - empty queue: an acquire granted at once, then its release (the model half full);
+- beside 10,000 flex waiters of as many accounts, held back by flex's ceiling (the model
+  at 80 %): a default request granted at once, then its release;
 - through the queue (none waiting before, "through"; 10 waiters, "short"; 10,000 of one
   account; 10,000 of as many accounts): the model full, D waiters queued; as the gateway
   does it, a new waiter queues
@@ -69,9 +71,11 @@ TAG = "bench-fleet"
 CAPACITY = 2000  # slots of the model, whatever N (N endpoints of CAPACITY // N each)
 BATCH = 50  # cycles per round trip
 # The queues measured: none (granted at once), none (through the queue: the model full), 10
-# waiters, 10,000 of one account, 10,000 of as many accounts.
-QUEUES = ("empty", "through", "short", "waiters", "accounts")
+# waiters, 10,000 of one account, 10,000 of as many accounts; and 10,000 flex waiters held
+# back by their tier's ceiling beside requests granted at once.
+QUEUES = ("empty", "through", "short", "waiters", "accounts", "beside")
 UTILIZATION = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 0.8}
+FLEX_CEILING = int(CAPACITY * UTILIZATION[Tier.FLEX])
 TIMING = Timing(lease_ttl_ms=600_000, claim_ms=600_000, waiter_ttl_ms=600_000)
 
 
@@ -102,7 +106,9 @@ class Model:
                 raise reply
         return replies
 
-    async def setup(self, hold: int, waiters: int, accounts: bool) -> None:
+    async def setup(
+        self, hold: int, waiters: int, accounts: bool, tier: Tier = Tier.DEFAULT
+    ) -> None:
         index = self.slots.index()
         assert index is not None
         await self.send([index])
@@ -113,12 +119,12 @@ class Model:
                 got = attempt(reply)
                 assert got.status == GRANTED, got
                 self.held.append((lease_id, got.endpoint))
-        await self.queue_up(waiters, accounts)
+        await self.queue_up(waiters, accounts, tier)
 
-    async def queue_up(self, n: int, accounts: bool) -> None:
+    async def queue_up(self, n: int, accounts: bool, tier: Tier = Tier.DEFAULT) -> None:
         for start in range(0, n, 500):
             ids = [self.waiter_id(accounts) for _ in range(min(500, n - start))]
-            calls = [self.slots.acquire(i, Tier.DEFAULT, may_wait=True) for i in ids]
+            calls = [self.slots.acquire(i, tier, may_wait=True) for i in ids]
             for lease_id, reply in zip(ids, await self.send(calls), strict=True):
                 assert attempt(reply).status == QUEUED
                 self.waiting.append(lease_id)
@@ -190,11 +196,14 @@ async def one(url: str, info: aioredis.Redis, n: int, queue: str, cycles: int) -
     wakes = info.pubsub()
     await wakes.subscribe(model.slots.channel)
     try:
-        hold = model.capacity // 2 if queue == "empty" else model.capacity
-        await model.setup(hold, depth, accounts=queue == "accounts")
+        at_once = queue in ("empty", "beside")
+        # Half full; or at flex's ceiling (its waiters held back, room for the others).
+        hold = {"empty": model.capacity // 2, "beside": FLEX_CEILING}.get(queue, model.capacity)
+        tier = Tier.FLEX if queue == "beside" else Tier.DEFAULT
+        await model.setup(hold, depth, queue in ("accounts", "beside"), tier)
         work = (
             model.direct_cycles(cycles)
-            if queue == "empty"
+            if at_once
             else model.queued_cycles(cycles, queue == "accounts", wakes)
         )
         cpu = time.process_time()
@@ -246,7 +255,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     through_queue = {
         key: {f: round(v[f] / queued[f], 2) for f in fields}
         for key, v in table.items()
-        if not key.startswith("empty")
+        if not key.startswith(("empty", "beside"))
     }
     return {
         "medians": table,
