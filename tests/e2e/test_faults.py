@@ -460,6 +460,40 @@ async def test_waiters_of_a_killed_replica_leave_the_queue(fleet: Fleet) -> None
     await assert_records(fleet, f"faults-{RUN}-dead-", {live_id})
 
 
+@SINGLE
+async def test_a_granted_waiter_keeps_its_slot_past_the_claim_time(fleet: Fleet) -> None:
+    """A waiter's grant lasts the claim time until its replica's sweeps keep it, as every
+    lease (there is no claim call): a stream granted from the queue and still running well
+    past the claim time holds q's one slot all along; a newcomer queued behind it is served
+    only once it ends."""
+    a, b = (r.url for r in fleet.replicas)
+    flowing, stop = asyncio.Event(), asyncio.Event()
+
+    async def granted_stream() -> None:
+        async with held(b, "q"):  # queued first, behind the stream held below
+            flowing.set()
+            await stop.wait()
+
+    task = asyncio.create_task(granted_stream())
+    try:
+        async with held(a, "q"):
+            await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
+        await asyncio.wait_for(flowing.wait(), 10)  # granted on the held stream's end
+        newcomer = asyncio.create_task(post(a, "q"))
+        await until(lambda: _queued(fleet, "q", 1), "the newcomer", 5)
+        # The condition under test is time passing: the claim time, a sweep, slack.
+        await asyncio.sleep(CLAIM_S + SWEEP_S + 1.0)
+        assert not newcomer.done()  # a grant reclaimed would have let it in
+        assert await _queued(fleet, "q", 1)
+        stop.set()
+        await task
+        assert (await asyncio.wait_for(newcomer, 10)).status_code == 200
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+    await assert_clean(fleet)
+
+
 @BOTH
 async def test_a_grant_to_a_dead_waiter_goes_back_after_the_claim_time(fleet: Fleet) -> None:
     """Item 10: the slot is granted to a dead replica's waiter before its queue entry
