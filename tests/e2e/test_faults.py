@@ -470,13 +470,14 @@ async def test_a_granted_waiter_keeps_its_slot_past_the_claim_time(fleet: Fleet)
     flowing, stop = asyncio.Event(), asyncio.Event()
 
     async def granted_stream() -> None:
-        async with held(b, "q"):  # queued first, behind the stream held below
+        async with held(b, "q"):  # queued behind the stream held first
             flowing.set()
             await stop.wait()
 
-    task = asyncio.create_task(granted_stream())
+    task: asyncio.Task[None] | None = None
     try:
-        async with held(a, "q"):
+        async with held(a, "q"):  # q's one slot, before the other is sent
+            task = asyncio.create_task(granted_stream())
             await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
         await asyncio.wait_for(flowing.wait(), 10)  # granted on the held stream's end
         newcomer = asyncio.create_task(post(a, "q"))
@@ -490,7 +491,8 @@ async def test_a_granted_waiter_keeps_its_slot_past_the_claim_time(fleet: Fleet)
         assert (await asyncio.wait_for(newcomer, 10)).status_code == 200
     finally:
         stop.set()
-        await asyncio.gather(task, return_exceptions=True)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
     await assert_clean(fleet)
 
 
