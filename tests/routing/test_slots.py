@@ -778,3 +778,37 @@ async def test_no_grant_of_an_older_release_is_left_in_ep_of(real_redis: aioredi
     await m.sweep()
     assert await m.leases() == set()
     assert not await real_redis.exists(m.slots.keys[2])
+
+
+async def test_a_sweep_keeps_thousands_of_waiters_in_a_few_calls(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A replica's 2,500 waiters (more than one batch of 1,000): each still queued is kept
+    alive, one Redis lost is queued again at its place, one granted meanwhile is found, and
+    the waiters cost the sweep a few calls, not three each."""
+    m = Model(real_redis, slots(max_queue=5000))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    waiters = []
+    for i in range(2500):
+        got = await m.acquire(f"w{i}", may_wait=True)
+        waiters.append((f"w{i}", Tier.DEFAULT.rank * RANK + got.place))
+    assert await m.release("l1") == 1  # w0 granted
+    await real_redis.zrem(m.slots.keys[1], "w1999")  # lost: Redis forgot it
+    qexp = m.slots.keys[6]
+    soon = await m.now_ms() + 1000  # their liveness about to run out
+    await real_redis.zadd(qexp, {w: soon for w, _ in waiters[1:]}, xx=True)
+    before = await real_redis.info("commandstats")
+    found = await m.sweep(waiters=waiters)
+    after = await real_redis.info("commandstats")
+    assert found.granted[0] in (A, B) and set(found.granted[1:]) == {""}
+    assert (await m.queue())[:2] == ["w1", "w2"] and "w1999" in await m.queue()
+    assert await real_redis.zcard(m.slots.keys[1]) == 2499
+    scores = await real_redis.zmscore(qexp, [w for w, _ in waiters[1:]])
+    assert all(s is not None and s > soon for s in scores)  # kept for the waiter TTL
+
+    def calls(stats: dict[str, Any], name: str) -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    assert calls(after, "zadd") - calls(before, "zadd") < 20
+    assert calls(after, "zscore") - calls(before, "zscore") < 20
