@@ -812,3 +812,30 @@ async def test_a_sweep_keeps_thousands_of_waiters_in_a_few_calls(
 
     assert calls(after, "zadd") - calls(before, "zadd") < 20
     assert calls(after, "zscore") - calls(before, "zscore") < 20
+
+
+async def test_a_sweep_keeps_thousands_of_leases_in_a_few_calls(real_redis: aioredis.Redis) -> None:
+    """A replica's 2,500 leases (more than one batch of 1,000): each Redis holds is kept for
+    the lease TTL, one Redis lost is written back, and they cost the sweep a few calls, not
+    four each."""
+    m = Model(real_redis, slots([(A, 3000)]))
+    leases = []
+    for i in range(2500):
+        leases.append((f"l{i}", (await m.acquire(f"l{i}")).endpoint))
+    await real_redis.zrem(m.slots.keys[0], f"l7 {A}")  # lost: Redis forgot it
+    await real_redis.hincrby(m.slots.keys[3], A, -1)
+    soon = await m.now_ms() + 1000  # their expiry about to come
+    await real_redis.zadd(m.slots.keys[0], {f"{i} {e}": soon for i, e in leases}, xx=True)
+    before = await real_redis.info("commandstats")
+    found = await m.sweep(leases=leases)
+    after = await real_redis.info("commandstats")
+    assert found.restored == ["l7"]
+    assert await m.load() == {A: 2500}
+    scores = await real_redis.zmscore(m.slots.keys[0], [f"{i} {e}" for i, e in leases])
+    assert all(s is not None and s > soon + 10_000 for s in scores)  # the lease TTL, 30 s
+
+    def calls(stats: dict[str, Any], name: str) -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    assert calls(after, "zadd") - calls(before, "zadd") < 20
+    assert calls(after, "zscore") - calls(before, "zscore") < 20

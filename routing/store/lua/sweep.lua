@@ -110,10 +110,28 @@ if not fresh and marker ~= STEADY and not rebuilding() then
   -- The rebuild window is over: the common case may skip the check again.
   redis.call('HSET', EP_LOAD, '~s', STEADY)
 end
-local restored = {}
+-- Its leases: those Redis holds kept in one call per 1,000 (ZMSCORE, then ZADD XX), not four
+-- calls each; one Redis lost is written back (prelude: `hold`).
+local restored, keep = {}, {}
 local n = tonumber(ARGV[at])
-for i = at + 1, at + 2 * n, 2 do
-  if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
+local members = {}
+for i = at + 1, at + 2 * n, 2 do members[#members + 1] = ARGV[i] .. ' ' .. ARGV[i + 1] end
+local until_ms = (now + ttl) .. ''
+for from = 1, #members, 1000 do
+  local upto = math.min(from + 999, #members)
+  local found = redis.call('ZMSCORE', LEASES, unpack(members, from, upto))
+  for j = from, upto do
+    if found[j - from + 1] then
+      keep[#keep + 1] = until_ms
+      keep[#keep + 1] = members[j]
+    else
+      local i = at + 2 * j - 1
+      if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
+    end
+  end
+end
+for from = 1, #keep, 2000 do
+  redis.call('ZADD', LEASES, 'XX', unpack(keep, from, math.min(from + 1999, #keep)))
 end
 at = at + 2 * n + 1
 local granted, requeued = {}, 0
