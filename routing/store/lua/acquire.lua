@@ -72,7 +72,8 @@ counted = loads[2] ~= false and loads[2] % 2 == 1  -- (prelude: `counting`)
 -- the index set right at the account's next grant. The gateway never sends one.)
 if requeued == 1 then unqueue(id) end
 lost(now, known, rebuild_ms, loads[1] ~= false)
-pump((now + claim) .. '', ceilings, fair, fracs)
+local claim_until = (now + claim) .. ''
+pump(claim_until, ceilings, fair, fracs)
 -- After the pump no waiter that could take a slot is left: a newcomer with room for its
 -- tier jumps nobody who could have gone first (in a fair tier neither: no account waits).
 local function take()
@@ -101,7 +102,7 @@ end
 -- first (one it lets under its ceiling), as every slot does, then to this one.
 if not ep and not ahead_may_go() then
   reclaim(now)
-  pump((now + claim) .. '', ceilings, fair, fracs)
+  pump(claim_until, ceilings, fair, fracs)
   ep = take()
 end
 if ep then

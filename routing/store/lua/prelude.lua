@@ -408,6 +408,26 @@ local function split(m)
   return m, redis.call('HGET', EP_OF, m)
 end
 
+-- The scores of `members` in the sorted set `key` (false where absent), in one call per
+-- 1,000 (Lua's unpack takes a few thousand values at most).
+local function scores_of(key, members)
+  local all = {}
+  for from = 1, #members, 1000 do
+    local upto = math.min(from + 999, #members)
+    local found = redis.call('ZMSCORE', key, unpack(members, from, upto))
+    for j = from, upto do all[j] = found[j - from + 1] end
+  end
+  return all
+end
+
+-- Set the scores of members `key` holds already, from `flat` (score, member, ...), in one
+-- call per 1,000.
+local function set_scores(key, flat)
+  for from = 1, #flat, 2000 do
+    redis.call('ZADD', key, 'XX', unpack(flat, from, math.min(from + 1999, #flat)))
+  end
+end
+
 -- The lease `id` holds, for ids whose endpoint the caller does not know: its endpoint, its
 -- member of `leases` and its expiry; nil when none. A waiter's grant not yet claimed is
 -- found in O(1) (`ep_of`); a lease whose acquire went unanswered (its member names its
@@ -430,12 +450,9 @@ local function find_lease(id, scan)
       members[#members + 1] = id .. ' ' .. field
     end
   end
-  for from = 1, #members, 1000 do
-    local upto = math.min(from + 999, #members)
-    local found = redis.call('ZMSCORE', LEASES, unpack(members, from, upto))
-    for i = 1, upto - from + 1 do
-      if found[i] then return urls[from + i - 1], members[from + i - 1], found[i] end
-    end
+  local found = scores_of(LEASES, members)
+  for i = 1, #members do
+    if found[i] then return urls[i], members[i], found[i] end
   end
   return nil
 end

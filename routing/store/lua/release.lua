@@ -42,15 +42,6 @@ for r = 1, #ceilings do fields[r + 1] = '~w' .. rank_text(r - 1) end
 local state = redis.call('HMGET', EP_LOAD, unpack(fields))
 steady(state[1])
 set_waits({unpack(state, 2)})
--- The counts are kept but nobody waits (a queue left lately): each lease is counted back,
--- its load goes back, and there is nothing to hand on.
-if waiting and #unsure == 0 and queue_size() == 0 then
-  for i, ep in ipairs(on) do
-    count(freed[i], -1)
-    give_slot(freed[i], ep)
-  end
-  return 0
-end
 local claim_until = (now_ms() + claim) .. ''
 -- An id not found where the caller said (or it did not know): a waiter still queued, else
 -- a lease elsewhere (granted while it waited, or moved; prelude: `find_lease`).

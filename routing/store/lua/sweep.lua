@@ -117,22 +117,17 @@ local n = tonumber(ARGV[at])
 local members = {}
 for i = at + 1, at + 2 * n, 2 do members[#members + 1] = ARGV[i] .. ' ' .. ARGV[i + 1] end
 local until_ms = (now + ttl) .. ''
-for from = 1, #members, 1000 do
-  local upto = math.min(from + 999, #members)
-  local found = redis.call('ZMSCORE', LEASES, unpack(members, from, upto))
-  for j = from, upto do
-    if found[j - from + 1] then
-      keep[#keep + 1] = until_ms
-      keep[#keep + 1] = members[j]
-    else
-      local i = at + 2 * j - 1
-      if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
-    end
+local present = scores_of(LEASES, members)
+for j = 1, #members do
+  if present[j] then
+    keep[#keep + 1] = until_ms
+    keep[#keep + 1] = members[j]
+  else
+    local i = at + 2 * j - 1
+    if hold(ARGV[i], ARGV[i + 1], now + ttl) == 1 then restored[#restored + 1] = ARGV[i] end
   end
 end
-for from = 1, #keep, 2000 do
-  redis.call('ZADD', LEASES, 'XX', unpack(keep, from, math.min(from + 1999, #keep)))
-end
+set_scores(LEASES, keep)
 at = at + 2 * n + 1
 local granted, requeued = {}, 0
 -- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
@@ -145,12 +140,7 @@ local scan = not fresh
 -- meanwhile (its lease is kept and its endpoint said) or lost (queued again at its place).
 local ids, keep = {}, {}
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do ids[#ids + 1] = ARGV[i] end
-local places = {}
-for from = 1, #ids, 1000 do
-  local upto = math.min(from + 999, #ids)
-  local found = redis.call('ZMSCORE', QUEUE, unpack(ids, from, upto))
-  for j = from, upto do places[j] = found[j - from + 1] end
-end
+local places = scores_of(QUEUE, ids)
 local alive = (now + wttl) .. ''
 for j, id in ipairs(ids) do
   local place = places[j]
@@ -174,9 +164,7 @@ for j, id in ipairs(ids) do
     if tonumber(redis.call('GET', SEQ) or '0') < seq then redis.call('SET', SEQ, seq) end
   end
 end
-for from = 1, #keep, 2000 do
-  redis.call('ZADD', QEXP, 'XX', unpack(keep, from, math.min(from + 1999, #keep)))
-end
+set_scores(QEXP, keep)
 if #restored + requeued > 0 and not rebuilding() then
   open_window(ARGV[tail])
 end
