@@ -56,6 +56,10 @@ class Waiter:
     future: asyncio.Future[str]
     # Its place in the queue, once Redis has confirmed it (rank x RANK + sequence).
     place: int | None = None
+    # When (the admission's clock) the last call left that found it still queued (its
+    # acquire, a sweep): a grant comes after, so it lasts its claim time from then at least
+    # (routing/admission/waiting.py `wait`).
+    kept: float = 0.0
 
 
 @dataclass(slots=True)

@@ -62,6 +62,9 @@ class _Round:
     reserved: list[str] = field(default_factory=list)
     # The leases whose start this round tells Redis again (after the accounts' calls).
     started: list[str] = field(default_factory=list)
+    # When the round left (the admission's waiting clock): its waiters found queued, or
+    # granted and kept for the lease's TTL, last that long from then at least.
+    sent: float = 0.0
 
 
 @dataclass
@@ -127,6 +130,7 @@ class Keeper:
 
     def _round(self) -> _Round:
         adm = self.admission
+        sent = adm.waiting.clock()
         holdings = adm.holdings
         leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
         models = list(adm.slots)
@@ -157,6 +161,7 @@ class Keeper:
             list(indexes),
             reserved,
             started,
+            sent,
         )
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
@@ -177,6 +182,7 @@ class Keeper:
             found_parts[part] = found.state
             adm.handback.recheck(found.restored, part)
             for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
+                adm.waiting.kept(waiter_id, work.sent)
                 if endpoint:
                     self.wake(waiter_id, endpoint)
         self._saw_models(work, found_parts, now)

@@ -52,16 +52,25 @@ class Timing:
     # interval after the last one ended and takes at most the command timeout (else it
     # fails as an outage): a slow Redis delays write-backs by its round trip.
     rebuild_ms: int = 1500
+    # A woken waiter uses its grant without asking Redis while its wake-up is read within
+    # this long of the last call that found it queued (`Waiter.kept`): its replica's next
+    # sweep (one already on its way may not name it: at most a timeout, an interval, and a
+    # timeout again) keeps the grant before its claim time ends. Later (its replica was
+    # stopped, its loop stalled), the grant may have gone back and another request taken the
+    # slot: it asks Redis first (routing/admission/waiting.py `wait`). 0: it always asks.
+    trust_ms: int = 0
 
     @classmethod
     def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
         sweep_ms = int(sweep_interval_s * 1000)
         timeout_ms = int(command_timeout_s * 1000)
+        claim_ms = max(3000, 2 * sweep_ms + 2 * timeout_ms)
         return cls(
             int(lease_ttl_s * 1000),
-            max(3000, 2 * sweep_ms + 2 * timeout_ms),
+            claim_ms,
             max(3000, 3 * sweep_ms),
             sweep_ms * 3 // 2 + timeout_ms,
+            max(0, claim_ms - sweep_ms - 2 * timeout_ms),
         )
 
 
@@ -195,6 +204,10 @@ class ModelSlots:
         # The index's version: its endpoints and sizes (penalties change too often to count).
         sizes = "\n".join(sorted(f"{url} {size}" for url, (size, *_) in self._spec.items()))
         self.version = hashlib.blake2b(sizes.encode(), digest_size=8).hexdigest()
+
+    @property
+    def timing(self) -> Timing:
+        return self._timing
 
     def largest_budget(self) -> int | None:
         """The largest whole token budget of the endpoints in rotation: a request reserving

@@ -9,6 +9,8 @@ and does not keep goes back through routing/admission/handback.py.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 from routing.admission.handback import Handback
 from routing.admission.holdings import Waiter
@@ -17,16 +19,24 @@ from routing.store.wire import text
 
 
 class Waiting:
-    def __init__(self, handback: Handback) -> None:
+    def __init__(self, handback: Handback, clock: Callable[[], float] = time.monotonic) -> None:
         # The same store, slots and holdings as the give-backs.
         self.scripts, self.store = handback.scripts, handback.store
         self.slots, self.holdings = handback.slots, handback.holdings
         self.handback = handback
+        self.clock = clock  # `Waiter.kept`'s
 
     def register(self, lease_id: str, model: str) -> None:
         """Before the acquire that may queue `lease_id` leaves."""
         future = asyncio.get_running_loop().create_future()
-        self.holdings.waiters[lease_id] = Waiter(model, future)
+        self.holdings.waiters[lease_id] = Waiter(model, future, kept=self.clock())
+
+    def kept(self, lease_id: str, when: float) -> None:
+        """A call that left at `when` (`clock`) found `lease_id` still queued, or kept the
+        grant it found for the lease's whole TTL (a sweep)."""
+        waiter = self.holdings.waiters.get(lease_id)
+        if waiter is not None:
+            waiter.kept = max(waiter.kept, when)
 
     def not_queued(self, lease_id: str) -> None:
         """The acquire did not queue it: its waiter goes, whatever became of it meanwhile."""
@@ -53,7 +63,12 @@ class Waiting:
             if (turned_away := waiter.future.exception()) is not None:
                 self.handback.give_back(lease_id, model, None)  # out of the queue, or its grant
                 raise turned_away
-            return waiter.future.result()  # kept by the next sweep, as every lease held
+            if self.clock() - waiter.kept <= self.slots[model].timing.trust_ms / 1000:
+                return waiter.future.result()  # kept by the next sweep, as every lease held
+            # Read too late to be sure its grant is still there (the replica was stopped,
+            # its loop stalled): its claim time may have passed, the slot gone back and
+            # been taken. Redis says (and keeps it for the lease's TTL if it is there); a
+            # grant lost so is answered as a wait that timed out.
         return await self._cancel(lease_id, model)
 
     async def _cancel(self, lease_id: str, model: str) -> str | int:

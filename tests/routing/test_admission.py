@@ -1154,3 +1154,47 @@ async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuil
         await fleet.assert_clean()
     finally:
         await fleet.close()
+
+
+async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
+    fleet: Fleet,
+) -> None:
+    """A replica stopped (SIGSTOP, a long pause) while its waiter was granted a slot by
+    another replica's release: nobody kept the grant, so it went back after the claim time
+    (far shorter than a lease's TTL) and another request took the slot. When the replica
+    resumes and reads the wake-up, its waiter must not run on that endpoint as well."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)  # the wake-up is read by hand, late
+    sweeper = await fleet.keeper(holder, listen=False)
+    queued = watch_queued(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    waiter_id = await bounded(queued.get())
+    await bounded(holder.release(held[0]))  # granted in Redis while the replica is stopped
+    member = await fleet.member("two", waiter_id)
+    assert member is not None
+    seconds, micros = await fleet.redis.time()
+    past = seconds * 1000 + micros // 1000 - 1000
+    await fleet.redis.zadd("gw:{two}:leases", {member: past}, xx=True)  # its claim time over
+    await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
+    other = await admit(holder, fleet.plan("two"))
+    assert other.lease.endpoint == held[0].endpoint
+    # The replica resumes: its clock jumped as far as it was stopped, the wake-up is read.
+    stopped_s = waiting.timing.claim_ms / 1000
+    start = time.monotonic()
+    waiting.waiting.clock = lambda: time.monotonic() - start + stopped_s + start
+    keeper.wake(waiter_id, held[0].endpoint)
+    try:
+        admitted = await bounded(task)
+    except Limited:
+        admitted = None
+    running = Counter(
+        lease.endpoint for adm in (holder, waiting) for lease in adm.holdings.held.values()
+    )
+    assert max(running.values()) <= 1, running
+    leases = [held[1], other.lease]
+    await release_all(holder, leases)
+    if admitted is not None:
+        await release_all(waiting, [admitted.lease])
+    await bounded(waiting.close())
+    await fleet.assert_clean()
