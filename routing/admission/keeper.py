@@ -183,8 +183,7 @@ class Keeper:
             adm.handback.recheck(found.restored, part)
             for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
                 adm.waiting.kept(waiter_id, work.sent)
-                if endpoint:
-                    self.wake(waiter_id, endpoint)
+                self._found(part, waiter_id, endpoint)
         self._saw_models(work, found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
@@ -254,6 +253,17 @@ class Keeper:
             self._reserving.add(part)
         else:
             self._reserving.discard(part)
+
+    def _found(self, part: str, waiter_id: str, endpoint: str) -> None:
+        """A waiter the sweep named: woken if granted. One this replica no longer holds
+        (its caller left while the sweep was on its way, and its give-back may have landed
+        first: the sweep then queued it again, or kept its grant) is given back again."""
+        holdings = self.admission.holdings
+        if waiter_id in holdings.waiters or holdings.is_live(waiter_id):
+            if endpoint:
+                self.wake(waiter_id, endpoint)
+            return
+        self.admission.handback.give_back(waiter_id, part, None, endpoint)
 
     def wake(self, waiter_id: str, endpoint: str) -> None:
         waiter = self.admission.holdings.waiters.get(waiter_id)

@@ -1198,3 +1198,54 @@ async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
         await release_all(waiting, [admitted.lease])
     await bounded(waiting.close())
     await fleet.assert_clean()
+
+
+async def test_a_waiter_gone_while_a_sweep_naming_it_is_on_its_way_is_not_queued_again(
+    fleet: Fleet,
+) -> None:
+    """A sweep names a queued waiter; before it reaches Redis (held up on its way: another
+    connection of a pool, a NOSCRIPT resend after a restart) the caller hangs up and the
+    waiter's give-back lands first. The sweep then finds the waiter neither queued nor
+    granted and queues it again at its place, for nobody: a ghost that takes the next free
+    slot (nobody releases it) and leaves only by expiry. Its replica, which no longer holds
+    it, gives it back when the sweep's reply comes."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)
+    queued = watch_queued(waiting)
+    given_back = asyncio.Event()
+    waiter_id = ""
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if any(name == "sweep" for name, _, _ in calls):
+            await given_back.wait()  # overtaken by the give-back on its way
+            return await send()
+        replies = await send()
+        if any(name == "release" and waiter_id in args for name, _, args in calls):
+            given_back.set()
+        return replies
+
+    intercept(waiting, around)
+    placed, wait = asyncio.Event(), waiting.waiting.wait
+
+    async def waits(lease_id: str, place: int, timeout_s: float) -> str | int:
+        waiting.holdings.waiters[lease_id].place = place  # as `wait` first does: now swept
+        placed.set()
+        return await wait(lease_id, place, timeout_s)
+
+    waiting.waiting.wait = waits  # type: ignore[method-assign]
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    waiter_id = await bounded(queued.get())
+    await bounded(placed.wait())
+    sweep = asyncio.create_task(keeper.sweep_once())  # built now: it names the waiter
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await bounded(given_back.wait())
+    await bounded(sweep)
+    await bounded(waiting.drain())
+    assert await fleet.queued("two") == 0
+    await release_all(holder, held)
+    await bounded(waiting.close())
+    await fleet.assert_clean()
