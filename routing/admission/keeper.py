@@ -23,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.admission.accountkeeps import AccountKeeps
 from routing.admission.admit import Admission
 from routing.admission.replies import ModelState, sweep_result
 from routing.background import BackgroundErrors, every
@@ -65,6 +66,10 @@ class _Round:
     # When the round left (the admission's waiting clock): its waiters found queued, or
     # granted and kept for the lease's TTL, last that long from then at least.
     sent: float = 0.0
+    # The ids kept per account (`accounts`' order), and whether those are all accounts.
+    entries: list[list[str]] = field(default_factory=list)
+    all_accounts: bool = False
+    number: int = 0
 
 
 @dataclass
@@ -86,6 +91,11 @@ class Keeper:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
     _moves: int = 0
+    # Which accounts' entries each round keeps (not all at every round).
+    _keeps: AccountKeeps | None = None
+    # A heartbeat was answered: one that finds this replica gone means Redis lost it.
+    _beaten: bool = False
+    _kept_moves: int = 0
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -127,6 +137,22 @@ class Keeper:
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error
+        if self._keeps is not None and self._keeps.wants_all():
+            await self._keep_all_accounts()
+
+    async def _keep_all_accounts(self) -> None:
+        """Redis lost this replica's state (its heartbeat just found it gone, an account's
+        keep found entries gone, the store moved): every account's entries are kept at once,
+        not at the next round (grants pause meanwhile: the rebuild window)."""
+        due, kept, everyone = self._accounts_due()
+        ttl = self.admission.timing.lease_ttl_ms
+        calls: list[Call] = [
+            ("account_keep", [key], [ttl, *ids]) for key, ids in zip(due, kept, strict=True)
+        ]
+        replies = await self.admission.scripts.send(self.admission.store, calls) if calls else []
+        self._kept(due, kept, everyone, self._rounds - 1, replies)
+        if (error := first_error(replies)) is not None:
+            raise error
 
     def _round(self) -> _Round:
         adm = self.admission
@@ -138,10 +164,12 @@ class Keeper:
         calls = list(indexes.values())
         calls += [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
         calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
-        entries = holdings.entries_by_account()
-        ttl = adm.timing.lease_ttl_ms
-        holdings.prune(2 * ttl / 1000)
-        calls += [("account_keep", [key], [ttl, *ids]) for key, ids in entries.items()]
+        holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
+        due, kept, everyone = self._accounts_due()
+        calls += [
+            ("account_keep", [key], [adm.timing.lease_ttl_ms, *ids])
+            for key, ids in zip(due, kept, strict=True)
+        ]
         started, starts = adm.preemptions.unheard()
         calls += starts
         orphan_models, orphan_accounts = holdings.orphans_by_model()
@@ -154,7 +182,7 @@ class Keeper:
             calls + orphan_calls + reads,
             models,
             {m: [waiter_id for waiter_id, _ in ws] for m, ws in waiters.items()},
-            list(entries),
+            due,
             list(holdings.orphans),
             len(orphan_calls) + len(reads),
             {m: len(ls) for m, ls in leases.items()},
@@ -162,7 +190,23 @@ class Keeper:
             reserved,
             started,
             sent,
+            kept,
+            everyone,
+            self._rounds - 1,  # (`_accounts_due` read it before the count went on)
         )
+
+    def _accounts_due(self) -> tuple[list[str], list[list[str]], bool]:
+        """The accounts whose entries this round keeps (routing/admission/accountkeeps.py),
+        the ids of each, and whether that is every account."""
+        adm = self.admission
+        if self._keeps is None:
+            self._keeps = AccountKeeps.of(adm.timing.lease_ttl_ms, self.interval_s)
+        if (moves := adm.store.moves) is not None and moves != self._kept_moves:
+            self._kept_moves = moves
+            self._keeps.lost()  # another master: it may lack what the last one had
+        entries = adm.holdings.entries_by_account()
+        due, everyone = self._keeps.due(entries, self._rounds)
+        return due, [entries[key] for key in due], everyone
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
         adm = self.admission
@@ -187,9 +231,11 @@ class Keeper:
         self._saw_models(work, found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
-            adm.local.saw([text(r) for r in replies[at]])
-        for key, reply in zip(work.accounts, replies[at + 1 :], strict=False):
-            adm.handback.recheck(reply, None, key)
+            self._beat(replies[at])
+        self._kept(
+            work.accounts, work.entries, work.all_accounts, work.number,
+            replies[at + 1 : at + 1 + len(work.accounts)],
+        )  # fmt: skip
         at += 1 + len(work.accounts)
         adm.preemptions.heard(work.started, replies[at : at + len(work.started)])
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
@@ -200,6 +246,29 @@ class Keeper:
         for part, reply in zip(work.reserved, reads, strict=True):
             if not isinstance(reply, Exception):
                 self._saw_reserved(part, reply)
+
+    def _beat(self, reply: Any) -> None:
+        """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
+        gone, replicas = reply
+        if int(gone) == 1 and self._beaten and self._keeps is not None:
+            self._keeps.lost()  # Redis restarted empty, or failed over far behind
+        self._beaten = True
+        self.admission.local.saw([text(r) for r in replicas])
+
+    def _kept(
+        self, keys: Sequence[str], entries: Sequence[Sequence[str]], everyone: bool,
+        number: int, replies: Sequence[Any],
+    ) -> None:  # fmt: skip
+        """The accounts' keeps of round `number` answered (`everyone`: of all accounts):
+        entries written back are given back where this replica no longer holds them
+        (`recheck`), and what was kept is remembered."""
+        assert self._keeps is not None
+        for key, ids, reply in zip(keys, entries, replies, strict=False):
+            self.admission.handback.recheck(reply, None, key)
+            if not isinstance(reply, Exception):
+                self._keeps.kept(key, ids, number, bool(reply))
+        answered = len(replies) == len(keys) and first_error(replies) is None
+        self._keeps.done(everyone, answered)
 
     def _saw_models(self, work: _Round, found: dict[str, ModelState], now: float) -> None:
         """Each model's state, its partitions' summed, when the sweep read them all."""

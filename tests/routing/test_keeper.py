@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from gateway.runtime.settings import parse_config
+from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
 from routing.admission.keeper import REPLICAS_KEY, RESERVED_EVERY, Keeper
 from routing.admission.tokens import TokenAsk
@@ -97,6 +98,45 @@ async def test_the_sweep_writes_back_what_redis_lost_on_an_empty_restart(
     assert await fleet.load("two") == 1
     assert await fleet.account() == 1  # and the account's entry
     assert keeper.states["two"].inflight == 1
+    await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
+async def test_an_account_is_kept_at_every_round_only_while_its_entries_are_recent(
+    fleet: Fleet,
+) -> None:
+    """With 10,000 accounts waiting a keep per account and round was most of Redis's work:
+    an account whose entries every round kept for RECENT rounds is kept again when due."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    kept: list[int] = []
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        if is_sweep(calls):
+            kept.append(sum(1 for name, _, _ in calls if name == "account_keep"))
+        return await send()
+
+    intercept(adm, around)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    for _ in range(RECENT + 3):
+        await bounded(keeper.sweep_once())
+    assert kept == [1] * RECENT + [0] * 3, kept
+    await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
+async def test_an_empty_restart_has_every_account_written_back_by_the_sweep_that_finds_it(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    for _ in range(RECENT + 1):  # its entry no longer recent: not kept at every round
+        await bounded(keeper.sweep_once())
+    await real_redis.flushdb()  # Redis restarted with nothing
+    await bounded(keeper.sweep_once())
+    assert await fleet.leases("two") == 1
+    assert await fleet.account() == 1  # the account's entry, by the same sweep
     await bounded(adm.release(lease))
     await fleet.assert_clean()
 
