@@ -141,6 +141,9 @@ class Acquire:
         acquire took, and the rate charge (the call at `rate_at`) if it was taken."""
         sent = self.scripts.send(self.store, calls)
         walk.rated = walk.rated or rate_at is not None
+        # Until its reply is in, a sweep counts the lease it may have taken as this
+        # replica's (the local outage shares: routing/admission/keeper.py).
+        self.holdings.acquiring[walk.lease_id] = model
         try:
             return await self.handback.outliving(
                 sent, walk.lease_id, model, walk.akey if with_account else None
@@ -150,6 +153,8 @@ class Acquire:
                 late = partial(self.rates.late, walk.rates, walk.rate_tokens, rate_at)
                 sent.add_done_callback(late)
             raise
+        finally:
+            self.holdings.acquiring.pop(walk.lease_id, None)
 
     def _given_back(self, walk: Walk, model: str, acquired: Any, account: bool) -> None:
         """What a batch that failed or was refused took goes back: the acquire's slot or

@@ -78,6 +78,9 @@ class Holdings:
     waiters: dict[str, Waiter] = field(default_factory=dict)
     # Walks in progress that hold an entry in their account's count: id -> account key.
     walking: dict[str, str] = field(default_factory=dict)
+    # Acquires sent and not answered yet: id -> the slots' name (the model, or a partition).
+    # Redis may have run them (a lease of this replica's, not held here yet).
+    acquiring: dict[str, str] = field(default_factory=dict)
     orphans: dict[str, Orphan] = field(default_factory=dict)
 
     def is_live(self, lease_id: str) -> bool:
@@ -121,6 +124,18 @@ class Holdings:
         for waiter_id, waiter in self.waiters.items():
             if waiter.place is not None and not waiter.future.done():
                 found[waiter.model].append((waiter_id, waiter.place))
+        return found
+
+    def pending_by_model(self) -> dict[str, list[str]]:
+        """Ids that may hold a lease in Redis that this replica does not hold yet: acquires
+        not answered yet, and waiters woken whose request has not taken its lease yet."""
+        found: dict[str, list[str]] = defaultdict(list)
+        for lease_id, model in self.acquiring.items():
+            if lease_id not in self.held:
+                found[model].append(lease_id)
+        for waiter_id, waiter in self.waiters.items():
+            if waiter.future.done() and waiter_id not in self.held:
+                found[waiter.model].append(waiter_id)
         return found
 
     def entries_by_account(self) -> dict[str, list[str]]:

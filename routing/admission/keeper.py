@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from routing.admission.accountkeeps import AccountKeeps
 from routing.admission.admit import Admission
-from routing.admission.replies import ModelState, sweep_result
+from routing.admission.replies import ModelState, Sweep, sweep_result
 from routing.background import BackgroundErrors, every
 from routing.ledger.spool import UsageSpool
 from routing.store.scripts import STORE_ERRORS, Call, first_error
@@ -55,8 +55,6 @@ class _Round:
     accounts: list[str]
     orphans: list[str]
     orphan_calls: int
-    # This replica's slots per model when the round was built (for the local shares).
-    mine: dict[str, int]
     # The models whose endpoint index changed: their index calls lead the round.
     indexed: list[str]
     # The models (or partitions) whose reserved tokens this round reads, at its end.
@@ -159,10 +157,16 @@ class Keeper:
         sent = adm.waiting.clock()
         holdings = adm.holdings
         leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
+        # Ids that may hold a lease not held here yet: the sweep counts those that do as
+        # this replica's, with its leases (the local outage shares: `_saw_models`).
+        pending = holdings.pending_by_model()
         models = list(adm.slots)
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
         calls = list(indexes.values())
-        calls += [adm.slots[m].sweep(leases.get(m, []), waiters.get(m, [])) for m in models]
+        calls += [
+            adm.slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []))
+            for m in models
+        ]
         calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
         due, kept, everyone = self._accounts_due()
@@ -185,7 +189,6 @@ class Keeper:
             due,
             list(holdings.orphans),
             len(orphan_calls) + len(reads),
-            {m: len(ls) for m, ls in leases.items()},
             list(indexes),
             reserved,
             started,
@@ -214,7 +217,7 @@ class Keeper:
         for model, reply in zip(work.indexed, replies, strict=False):
             adm.slots[model].indexed(reply)
         replies = replies[len(work.indexed) :]
-        found_parts: dict[str, ModelState] = {}
+        found_parts: dict[str, Sweep] = {}
         for part, reply in zip(work.models, replies, strict=False):
             if isinstance(reply, Exception):
                 continue
@@ -223,12 +226,12 @@ class Keeper:
             slots.known = True
             slots.saw(found.state.version)
             slots.seen_queue = found.state.queued
-            found_parts[part] = found.state
+            found_parts[part] = found
             adm.handback.recheck(found.restored, part)
             for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
                 adm.waiting.kept(waiter_id, work.sent)
                 self._found(part, waiter_id, endpoint)
-        self._saw_models(work, found_parts, now)
+        self._saw_models(found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
             self._beat(replies[at])
@@ -270,16 +273,18 @@ class Keeper:
         answered = len(replies) == len(keys) and first_error(replies) is None
         self._keeps.done(everyone, answered)
 
-    def _saw_models(self, work: _Round, found: dict[str, ModelState], now: float) -> None:
-        """Each model's state, its partitions' summed, when the sweep read them all."""
+    def _saw_models(self, found: dict[str, Sweep], now: float) -> None:
+        """Each model's state, its partitions' summed, when the sweep read them all; the
+        local shares see its in-flight count and this replica's leases among it (each
+        partition's both read in one instant, by its sweep's script)."""
         adm = self.admission
         parts: dict[str, list[str]] = {}  # each model's partitions, those a reload left too
         for part, model in adm.model_of.items():
             parts.setdefault(model, []).append(part)
         for model, mine in parts.items():
             if all(p in found for p in mine):
-                state = _summed([found[p] for p in mine])
-                adm.local.observe(model, state.inflight, sum(work.mine.get(p, 0) for p in mine))
+                state = _summed([found[p].state for p in mine])
+                adm.local.observe(model, state.inflight, sum(found[p].mine for p in mine))
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
 

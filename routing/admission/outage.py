@@ -2,7 +2,8 @@
 
 Each replica admits against its own limit, so that across the fleet the limits add up to at
 most the capacity. From its last sweep before the outage a replica knows how many slots of
-a model the fleet held (F), how many of them were its own (h), and the live replicas. Its
+a model the fleet held (F), how many of them were its own (h: read by the sweep's script in
+the same instant as F, its acquires not answered yet included), and the live replicas. Its
 limit is h plus its cut of the capacity that was free (C - F): `free // n` each, the
 remainder to the first replicas of the sorted list. Summed over the fleet: F + (C - F) = C.
 Requests that were running when Redis went away thus count against the limit of the

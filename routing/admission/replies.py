@@ -52,6 +52,9 @@ class Sweep:
     restored: list[str]
     # Per waiter sent: the endpoint it was granted meanwhile, or "".
     granted: list[str]
+    # This replica's leases among `state.inflight`, read in the same instant: those it
+    # sent, its waiters' grants, and the leases of the ids it may hold without knowing yet.
+    mine: int = 0
 
 
 def attempt(reply: Any) -> Attempt:
@@ -75,4 +78,5 @@ def sweep_result(reply: Sequence[Any]) -> Sweep:
         ModelState(int(state[0]), queued, int(state[1 + len(BY_RANK)]), version),
         [text(x) for x in reply[1]],
         [text(x) for x in reply[2]],
+        int(reply[3]),
     )

@@ -322,9 +322,15 @@ class ModelSlots:
         is never preempted. Reply 1: go on; 0: it was preempted first."""
         return ("start", self._key, [lease_id, endpoint])
 
-    def sweep(self, leases: Sequence[tuple[str, str]], waiters: Sequence[tuple[str, int]]) -> Call:
+    def sweep(
+        self,
+        leases: Sequence[tuple[str, str]],
+        waiters: Sequence[tuple[str, int]],
+        pending: Sequence[str] = (),
+    ) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
-        it has queued (id, place)."""
+        it has queued (id, place), and `pending` ids that may hold a lease it does not
+        hold yet (counted as its own if they do: `Sweep.mine`)."""
         t = self._timing
         args: list[Any] = [t.lease_ttl_ms, t.waiter_ttl_ms, self._pump_spec, len(leases)]
         for pair in leases:
@@ -335,6 +341,7 @@ class ModelSlots:
         args += (t.rebuild_ms, int(self.known))
         recheck = self._recheck()
         args += (len(recheck), *recheck)
+        args += (len(pending), *pending)
         return ("sweep", self._key, args)
 
     def _recheck(self) -> list[str]:

@@ -56,7 +56,7 @@ def test_a_loss_or_an_entry_written_back_keeps_every_account_next() -> None:
 def test_a_round_not_answered_in_full_keeps_every_account_again() -> None:
     keeps = AccountKeeps(every=10)
     entries = {"a": ["1"]}
-    keys, everyone = keeps.due(entries, 0)
+    _keys, everyone = keeps.due(entries, 0)
     keeps.done(everyone, answered=False)
     assert keeps.wants_all()
 

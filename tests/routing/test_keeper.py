@@ -27,7 +27,14 @@ from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
 from routing.store.causes import StoreErrors
 from tests.conftest import REDIS_URL
-from tests.routing.test_admission import CONFIG, Fleet, admit, bounded, intercept
+from tests.routing.test_admission import (
+    CONFIG,
+    Fleet,
+    admit,
+    bounded,
+    intercept,
+    release_all,
+)
 from tiers.policy import Tier
 
 RID = "t-keeper-"
@@ -226,6 +233,41 @@ async def test_a_round_that_fails_whole_has_its_index_writes_written_again(
         await bounded(keeper.sweep_once())
     call = adm.slots["two"].index()
     assert call is not None and call[2][1] == ""  # whole: no base version
+
+
+async def test_the_local_shares_add_up_when_a_sweep_runs_behind_an_unanswered_acquire(
+    fleet: Fleet,
+) -> None:
+    """A sweep reads the model's in-flight count; the replica's own leases among it must be
+    read in the same instant. An acquire Redis ran before the sweep but whose reply the
+    replica has not taken in yet (its lease not held yet when the round was built) is in
+    the count, so it is the replica's too: else the local shares of an outage right after
+    (on_outage: local) add up to less than the capacity (tests/e2e/test_faults.py)."""
+    a = await fleet.admission(on_outage="local")
+    b = await fleet.admission(on_outage="local")
+    sweep_a, sweep_b = keeper_of(fleet, a), keeper_of(fleet, b)
+    leases = [(await admit(a, fleet.plan("five"))).lease]
+    await bounded(sweep_a.sweep_once())
+    await bounded(sweep_b.sweep_once())  # both alive: each sees the other from now on
+    swept = False
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        nonlocal swept
+        replies = await send()
+        if not swept and any(name == "acquire" for name, _, _ in calls):
+            swept = True  # Redis ran the acquire; its reply waits behind a whole sweep
+            await bounded(sweep_a.sweep_once())
+        return replies
+
+    intercept(a, around)
+    leases.append((await admit(a, fleet.plan("five"))).lease)
+    await bounded(sweep_b.sweep_once())
+    assert swept and a.local.replicas == b.local.replicas == 2
+    assert sweep_a.states["five"].inflight == sweep_b.states["five"].inflight == 2
+    limits = [a.local.limit("five"), b.local.limit("five")]  # capacity 5: 2 held + 3 free
+    assert sum(limits) == 5 and limits[0] >= 2, limits
+    await release_all(a, leases)
+    await fleet.assert_clean()
 
 
 # --- the spool round ---------------------------------------------------------------------------

@@ -10,10 +10,14 @@
 --       rebuild_ms: how long grants pause once this sweep had to write anything back,
 --       known (0|1: this replica has seen the model's state before), then r and r endpoint
 --       urls whose place in `free` is set again from their count (a few per sweep, in turn:
---       mends what a replica of an older release changed without `free`, a rolling update).
+--       mends what a replica of an older release changed without `free`, a rolling update),
+--       then p and p ids that may hold a lease this replica does not hold yet (its acquires
+--       not answered yet, its waiters woken).
 -- Returns {{inflight, queued per tier (best first), freed so far, the endpoint index's
 --          version or ''}, written-back lease ids, one entry per waiter: its granted
---          endpoint or ''}.
+--          endpoint or '', the leases of this replica among inflight (its leases, kept or
+--          written back, its waiters' grants and the pending ids' leases: read in the same
+--          instant as inflight, for the local outage shares)}.
 -- Its cost grows with what this replica holds and with the endpoints only while nothing is
 -- held at all (the loads' mend, below), never with the queue of other replicas.
 -- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
@@ -130,6 +134,8 @@ end
 set_scores(LEASES, keep)
 at = at + 2 * n + 1
 local granted, requeued = {}, 0
+-- This replica's leases: every one it sent is held now (kept, or written back).
+local mine = n
 -- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
 -- looked for among the endpoints (prelude: `find_lease`), it goes back to its place. A lease
 -- written back without that (it expired: this replica's sweeps were late; a failover lost
@@ -149,6 +155,7 @@ for j, id in ipairs(ids) do
   if ep then
     keep_found(id, ep, m, now + ttl)
     granted[j] = ep
+    mine = mine + 1
   elseif place then
     granted[j] = ''
     keep[#keep + 1] = alive
@@ -174,6 +181,11 @@ wide()
 local recheck = tail + 2
 for i = recheck + 1, recheck + (tonumber(ARGV[recheck]) or 0) do
   rescore(ARGV[i], tonumber(redis.call('HGET', EP_LOAD, ARGV[i])) or 0)
+end
+-- Its ids that may hold a lease it does not hold yet: those that do are its own too.
+local pending = recheck + (tonumber(ARGV[recheck]) or 0) + 1
+for i = pending + 1, pending + (tonumber(ARGV[pending]) or 0) do
+  if find_lease(ARGV[i]) then mine = mine + 1 end
 end
 waiting = waiting or requeued > 0
 mend_waits(waiting)
@@ -210,4 +222,4 @@ end
 for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
-return {state, restored, granted}
+return {state, restored, granted, mine}
