@@ -43,7 +43,8 @@ class Timing:
     # (as every lease it holds), or goes back: a grant to a replica that died returns
     # quickly. The wake-up may come just after a sweep left, which takes at most the command
     # timeout (else it fails as an outage); the next starts at most an interval after it
-    # ended and lands within the timeout too: two intervals and two timeouts cover it.
+    # ended and lands within the timeout too: two intervals and two timeouts cover it, one
+    # interval more lets a replica use a wake-up read that late without asking (`trust_ms`).
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep.
     waiter_ttl_ms: int
@@ -64,7 +65,7 @@ class Timing:
     def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
         sweep_ms = int(sweep_interval_s * 1000)
         timeout_ms = int(command_timeout_s * 1000)
-        claim_ms = max(3000, 2 * sweep_ms + 2 * timeout_ms)
+        claim_ms = max(3000, 3 * sweep_ms + 2 * timeout_ms)
         return cls(
             int(lease_ttl_s * 1000),
             claim_ms,
