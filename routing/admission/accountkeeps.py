@@ -18,11 +18,21 @@ work for a queue that deep (bench/README.md). An account is kept when:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from routing.store.scripts import Call, first_error
+
+if TYPE_CHECKING:
+    from routing.admission.admit import Admission
 
 # Rounds during which an entry is kept at every sweep after its first keep: longer than
 # the writes a failover may lose (a replica's lag, an AOF's last second). A loss of more
 # makes this replica's heartbeat, written every round and living 3 rounds, go too.
 RECENT = 3
+# On one Redis this many accounts go in one keep (a script call per account cost about three
+# times its work); on a Cluster one, every account its own hash tag.
+PER_CALL = 500
 
 
 class AccountKeeps:
@@ -55,7 +65,8 @@ class AccountKeeps:
 
     def kept(self, key: str, ids: Sequence[str], round_: int, restored: bool) -> None:
         """Redis answered the keep of `key` sent in round `round_`; `restored`: it had to
-        write some of them back (Redis lost them: every account is kept next)."""
+        write some of them back (Redis lost them: every account is kept next, unless this
+        round kept every account)."""
         self._last[key] = round_
         for i in ids:
             self._first.setdefault(i, round_)
@@ -65,8 +76,9 @@ class AccountKeeps:
         """The round's keeps were answered (`answered`: all of them); `full`: it kept every
         account."""
         if full and answered:
-            self._all = False
-        self._all = self._all or self._again
+            self._all = False  # (every account was written back where it had to be)
+        else:
+            self._all = self._all or self._again
         self._again = False
 
     def wants_all(self) -> bool:
@@ -76,3 +88,60 @@ class AccountKeeps:
     def lost(self) -> None:
         """Redis lost this replica's state: every account at the next round."""
         self._all = True
+
+
+@dataclass
+class Batch:
+    """One round's keeps: the accounts, the ids of each, and the calls carrying them."""
+
+    keys: list[str]
+    entries: list[list[str]]
+    everyone: bool  # every account this replica holds entries in
+    number: int  # the round
+    calls: list[Call]
+
+
+class AccountKeeper:
+    """The accounts' keeps of a replica's sweeps: which (`AccountKeeps`), in what calls, and
+    what their answers say."""
+
+    def __init__(self, admission: Admission, interval_s: float) -> None:
+        self.admission = admission
+        self.keeps = AccountKeeps.of(admission.timing.lease_ttl_ms, interval_s)
+        self._moves = 0  # the store's moves to another master seen
+
+    def batch(self, number: int) -> Batch:
+        """The keeps of round `number`: on one Redis PER_CALL accounts a call, on a Cluster
+        (each account its own hash tag) one."""
+        adm = self.admission
+        if (moves := adm.store.moves) is not None and moves != self._moves:
+            self._moves = moves
+            self.keeps.lost()  # another master: it may lack what the last one had
+        entries = adm.holdings.entries_by_account()
+        keys, everyone = self.keeps.due(entries, number)
+        kept = [entries[key] for key in keys]
+        per = self._per_call()
+        calls: list[Call] = []
+        for at in range(0, len(keys), per):
+            args: list[Any] = [adm.timing.lease_ttl_ms]
+            for ids in kept[at : at + per]:
+                args += (len(ids), *ids)
+            calls.append(("account_keep", keys[at : at + per], args))
+        return Batch(keys, kept, everyone, number, calls)
+
+    def answered(self, batch: Batch, replies: Sequence[Any]) -> None:
+        """The batch's replies, one per call: entries written back are given back where this
+        replica no longer holds them (`recheck`), and what was kept is remembered."""
+        per_key: list[Any] = []
+        for (_, keys, _), reply in zip(batch.calls, replies, strict=False):
+            # (a call's error stands for each of its accounts)
+            per_key += reply if isinstance(reply, list) else [reply] * len(keys)
+        for key, ids, reply in zip(batch.keys, batch.entries, per_key, strict=False):
+            self.admission.handback.recheck(reply, None, key)
+            if not isinstance(reply, Exception):
+                self.keeps.kept(key, ids, batch.number, bool(reply))
+        answered = len(replies) == len(batch.calls) and first_error(replies) is None
+        self.keeps.done(batch.everyone, answered)
+
+    def _per_call(self) -> int:
+        return PER_CALL if self.admission.store.one_node else 1

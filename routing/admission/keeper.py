@@ -23,7 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.admission.accountkeeps import AccountKeeps
+from routing.admission.accountkeeps import AccountKeeper, Batch
 from routing.admission.admit import Admission
 from routing.admission.replies import ModelState, Sweep, sweep_result
 from routing.background import BackgroundErrors, every
@@ -52,7 +52,6 @@ class _Round:
     calls: list[Call]
     models: list[str]
     waiters: dict[str, list[str]]
-    accounts: list[str]
     orphans: list[str]
     orphan_calls: int
     # The models whose endpoint index changed: their index calls lead the round.
@@ -64,10 +63,8 @@ class _Round:
     # When the round left (the admission's waiting clock): its waiters found queued, or
     # granted and kept for the lease's TTL, last that long from then at least.
     sent: float = 0.0
-    # The ids kept per account (`accounts`' order), and whether those are all accounts.
-    entries: list[list[str]] = field(default_factory=list)
-    all_accounts: bool = False
-    number: int = 0
+    # The accounts' keeps (their calls follow the heartbeat).
+    accounts: Batch | None = None
 
 
 @dataclass
@@ -89,11 +86,10 @@ class Keeper:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
     _moves: int = 0
-    # Which accounts' entries each round keeps (not all at every round).
-    _keeps: AccountKeeps | None = None
+    # Which accounts' entries each round keeps (not all at every round), and how.
+    _accounts: AccountKeeper | None = None
     # A heartbeat was answered: one that finds this replica gone means Redis lost it.
     _beaten: bool = False
-    _kept_moves: int = 0
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -135,45 +131,30 @@ class Keeper:
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error
-        if self._keeps is not None and self._keeps.wants_all():
-            await self._keep_all_accounts()
-
-    async def _keep_all_accounts(self) -> None:
-        """Redis lost this replica's state (its heartbeat just found it gone, an account's
-        keep found entries gone, the store moved): every account's entries are kept at once,
-        not at the next round (grants pause meanwhile: the rebuild window)."""
-        due, kept, everyone = self._accounts_due()
-        ttl = self.admission.timing.lease_ttl_ms
-        calls: list[Call] = [
-            ("account_keep", [key], [ttl, *ids]) for key, ids in zip(due, kept, strict=True)
-        ]
-        replies = await self.admission.scripts.send(self.admission.store, calls) if calls else []
-        self._kept(due, kept, everyone, self._rounds - 1, replies)
-        if (error := first_error(replies)) is not None:
-            raise error
+        if self._accounts is not None and self._accounts.keeps.wants_all():
+            # Redis lost this replica (its heartbeat just found it gone), a keep found
+            # entries gone, or the store moved: every account now, not at the next round
+            # (grants pause meanwhile: the rebuild window).
+            batch = self._accounts.batch(self._rounds)
+            replies = await self.admission.scripts.send(self.admission.store, batch.calls)
+            self._accounts.answered(batch, replies)
+            if (error := first_error(replies)) is not None:
+                raise error
 
     def _round(self) -> _Round:
         adm = self.admission
         sent = adm.waiting.clock()
         holdings = adm.holdings
-        leases, waiters = holdings.leases_by_model(), holdings.waiters_by_model()
-        # Ids that may hold a lease not held here yet: the sweep counts those that do as
-        # this replica's, with its leases (the local outage shares: `_saw_models`).
-        pending = holdings.pending_by_model()
         models = list(adm.slots)
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
-        calls = list(indexes.values())
-        calls += [
-            adm.slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []))
-            for m in models
-        ]
+        waiters = holdings.waiters_by_model()
+        calls = [*indexes.values(), *self._sweeps(models, waiters)]
         calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
-        due, kept, everyone = self._accounts_due()
-        calls += [
-            ("account_keep", [key], [adm.timing.lease_ttl_ms, *ids])
-            for key, ids in zip(due, kept, strict=True)
-        ]
+        if self._accounts is None:
+            self._accounts = AccountKeeper(adm, self.interval_s)
+        accounts = self._accounts.batch(self._rounds)
+        calls += accounts.calls
         started, starts = adm.preemptions.unheard()
         calls += starts
         orphan_models, orphan_accounts = holdings.orphans_by_model()
@@ -186,30 +167,26 @@ class Keeper:
             calls + orphan_calls + reads,
             models,
             {m: [waiter_id for waiter_id, _ in ws] for m, ws in waiters.items()},
-            due,
             list(holdings.orphans),
             len(orphan_calls) + len(reads),
             list(indexes),
             reserved,
             started,
             sent,
-            kept,
-            everyone,
-            self._rounds - 1,  # (`_accounts_due` read it before the count went on)
+            accounts,
         )
 
-    def _accounts_due(self) -> tuple[list[str], list[list[str]], bool]:
-        """The accounts whose entries this round keeps (routing/admission/accountkeeps.py),
-        the ids of each, and whether that is every account."""
-        adm = self.admission
-        if self._keeps is None:
-            self._keeps = AccountKeeps.of(adm.timing.lease_ttl_ms, self.interval_s)
-        if (moves := adm.store.moves) is not None and moves != self._kept_moves:
-            self._kept_moves = moves
-            self._keeps.lost()  # another master: it may lack what the last one had
-        entries = adm.holdings.entries_by_account()
-        due, everyone = self._keeps.due(entries, self._rounds)
-        return due, [entries[key] for key in due], everyone
+    def _sweeps(
+        self, models: Sequence[str], waiters: dict[str, list[tuple[str, int]]]
+    ) -> list[Call]:
+        """Each model's sweep: what this replica holds there, and the ids that may hold a
+        lease not held here yet (counted as its own if they do: the local outage shares)."""
+        holdings, slots = self.admission.holdings, self.admission.slots
+        leases, pending = holdings.leases_by_model(), holdings.pending_by_model()
+        return [
+            slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []))
+            for m in models
+        ]
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
         adm = self.admission
@@ -235,11 +212,10 @@ class Keeper:
         at = len(work.models)
         if not isinstance(replies[at], Exception):
             self._beat(replies[at])
-        self._kept(
-            work.accounts, work.entries, work.all_accounts, work.number,
-            replies[at + 1 : at + 1 + len(work.accounts)],
-        )  # fmt: skip
-        at += 1 + len(work.accounts)
+        calls = len(work.accounts.calls) if work.accounts is not None else 0
+        if work.accounts is not None and self._accounts is not None:
+            self._accounts.answered(work.accounts, replies[at + 1 : at + 1 + calls])
+        at += 1 + calls
         adm.preemptions.heard(work.started, replies[at : at + len(work.started)])
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
         reads = tail[len(tail) - len(work.reserved) :] if work.reserved else []
@@ -253,25 +229,10 @@ class Keeper:
     def _beat(self, reply: Any) -> None:
         """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
         gone, replicas = reply
-        if int(gone) == 1 and self._beaten and self._keeps is not None:
-            self._keeps.lost()  # Redis restarted empty, or failed over far behind
+        if int(gone) == 1 and self._beaten and self._accounts is not None:
+            self._accounts.keeps.lost()  # Redis restarted empty, or failed over far behind
         self._beaten = True
         self.admission.local.saw([text(r) for r in replicas])
-
-    def _kept(
-        self, keys: Sequence[str], entries: Sequence[Sequence[str]], everyone: bool,
-        number: int, replies: Sequence[Any],
-    ) -> None:  # fmt: skip
-        """The accounts' keeps of round `number` answered (`everyone`: of all accounts):
-        entries written back are given back where this replica no longer holds them
-        (`recheck`), and what was kept is remembered."""
-        assert self._keeps is not None
-        for key, ids, reply in zip(keys, entries, replies, strict=False):
-            self.admission.handback.recheck(reply, None, key)
-            if not isinstance(reply, Exception):
-                self._keeps.kept(key, ids, number, bool(reply))
-        answered = len(replies) == len(keys) and first_error(replies) is None
-        self._keeps.done(everyone, answered)
 
     def _saw_models(self, found: dict[str, Sweep], now: float) -> None:
         """Each model's state, its partitions' summed, when the sweep read them all; the

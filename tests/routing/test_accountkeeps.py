@@ -44,13 +44,19 @@ def test_a_loss_or_an_entry_written_back_keeps_every_account_next() -> None:
         keep_all(keeps, entries, r)
     keeps.lost()
     assert keeps.wants_all() and keeps.due(entries, 5) == (["a", "b"], True)
-    keeps.kept("a", ["1"], 5, restored=True)
-    keeps.kept("b", ["2"], 5, restored=False)
-    keeps.done(True, answered=True)
-    assert keeps.wants_all()  # one was written back: all again, until none is
-    keep_all(keeps, entries, 6)
+    keep_all(keeps, entries, 5)
     assert not keeps.wants_all()
-    assert keeps.due(entries, RECENT + 7)[0] == []
+    entries["b"].append("3")  # new: kept at once, and found gone from Redis (not "2")
+    assert keeps.due(entries, 6) == (["b"], False)
+    keeps.kept("b", entries["b"], 6, restored=True)
+    keeps.done(False, answered=True)
+    assert keeps.wants_all()  # written back: other accounts may have lost theirs too
+    keys, everyone = keeps.due(entries, 7)
+    for key in keys:
+        keeps.kept(key, entries[key], 7, restored=True)  # a full round writes all back
+    keeps.done(everyone, answered=True)
+    assert not keeps.wants_all()
+    assert keeps.due(entries, 7 + RECENT)[0] == []
 
 
 def test_a_round_not_answered_in_full_keeps_every_account_again() -> None:

@@ -132,6 +132,32 @@ async def test_an_account_is_kept_at_every_round_only_while_its_entries_are_rece
     await fleet.assert_clean()
 
 
+async def test_on_one_redis_the_accounts_are_kept_in_one_call(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    calls: list[tuple[str, Sequence[str]]] = []
+
+    async def around(sent: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        calls.extend((name, keys) for name, keys, _ in sent if name == "account_keep")
+        return await send()
+
+    intercept(adm, around)
+    accounts = [f"t-keep-{i}" for i in range(2)]  # ("two" holds 2)
+    leases = [(await admit(adm, fleet.plan("two"), account=a)).lease for a in accounts]
+    for a in accounts:
+        await real_redis.delete("gw:acct:{" + a + "}")  # lost: each written back
+    await bounded(keeper.sweep_once())
+    assert len(calls) == 1 and sorted(calls[0][1]) == sorted(
+        "gw:acct:{" + a + "}" for a in accounts
+    )
+    assert all([await fleet.account(a) for a in accounts])
+    for lease in leases:
+        await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
 async def test_an_empty_restart_has_every_account_written_back_by_the_sweep_that_finds_it(
     fleet: Fleet, real_redis: aioredis.Redis
 ) -> None:

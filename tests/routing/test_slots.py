@@ -684,14 +684,28 @@ async def test_account_keep_writes_back_lost_entries(real_redis: aioredis.Redis)
     key = account_key("t-keep")
     await scripts.call(store, ("account", [key], ["a1", 5, TTL_MS]))
     await real_redis.delete(key)
-    restored = await scripts.call(store, ("account_keep", [key], [TTL_MS, "a1", "a2"]))
-    assert [text(r) for r in restored] == ["a1", "a2"]
-    assert [
-        text(r) for r in await scripts.call(store, ("account_keep", [key], [TTL_MS, "a1"]))
-    ] == []
+    restored = await scripts.call(store, ("account_keep", [key], [TTL_MS, 2, "a1", "a2"]))
+    assert [[text(r) for r in each] for each in restored] == [["a1", "a2"]]
+    again = await scripts.call(store, ("account_keep", [key], [TTL_MS, 1, "a1"]))
+    assert again == [[]]
     assert await real_redis.zcard(key) == 2
     assert 0 < await real_redis.pttl(key) <= TTL_MS
     await real_redis.delete(key)
+
+
+async def test_one_account_keep_call_keeps_several_accounts(real_redis: aioredis.Redis) -> None:
+    """On one Redis the keeper sends many accounts in one call: each key its own ids."""
+    scripts, store = Scripts(), RedisPyStore(real_redis, 2.0)
+    keys = [account_key(f"t-keep-{i}") for i in range(3)]
+    await real_redis.zadd(keys[1], {"b1": 1e15})
+    args = [TTL_MS, 2, "a1", "a2", 1, "b1", 0, 1, "c1"]
+    reply = await scripts.call(
+        store, ("account_keep", [*keys[:2], account_key("t-none"), keys[2]], args)
+    )
+    assert [[text(r) for r in each] for each in reply] == [["a1", "a2"], [], [], ["c1"]]
+    assert [await real_redis.zcard(k) for k in keys] == [2, 1, 1]
+    assert await real_redis.exists(account_key("t-none")) == 0
+    await real_redis.delete(*keys)
 
 
 async def test_equal_loads_take_turns(real_redis: aioredis.Redis) -> None:
