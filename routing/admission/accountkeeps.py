@@ -8,7 +8,7 @@ work for a queue that deep (bench/README.md). An account is kept when:
 
 - it holds an entry no sweep kept yet, or kept for the first time less than RECENT rounds
   ago: what a failover to a replica that lagged a few seconds behind (or an AOF's last
-  second) may have lost is written back at once, as before;
+  second) may have lost is written back at once, as before (those entries only);
 - its last keep was `every` rounds ago: far inside the entries' TTL (a third of it);
 - Redis lost this replica's state (its heartbeat found it gone: a restart empty, a failover
   that lost more than the RECENT rounds), an account's keep found entries gone, or the store
@@ -48,26 +48,32 @@ class AccountKeeps:
         """Kept at least three times within the entries' TTL."""
         return cls(int(ttl_ms / 1000 / max(interval_s, 0.001) / 3))
 
-    def due(self, entries: Mapping[str, Sequence[str]], round_: int) -> tuple[list[str], bool]:
-        """The accounts the round `round_` keeps, and whether that is all of them."""
+    def due(
+        self, entries: Mapping[str, Sequence[str]], round_: int
+    ) -> tuple[list[tuple[str, list[str], bool]], bool]:
+        """What the round `round_` keeps: per account its ids to keep and whether those are
+        all of its ids (due, or every account is); and whether that is every account. An
+        account kept only for its recent entries sends those alone: one account with
+        thousands of requests would otherwise send them all at every round."""
         held = {i for ids in entries.values() for i in ids}
         self._first = {i: r for i, r in self._first.items() if i in held}
         self._last = {key: r for key, r in self._last.items() if key in entries}
         if self._all:
-            return list(entries), True
-        keys = [
-            key
-            for key, ids in entries.items()
-            if round_ - self._last.get(key, round_ - self.every) >= self.every
-            or any(round_ - self._first.get(i, round_) < RECENT for i in ids)
-        ]
-        return keys, False
+            return [(key, list(ids), True) for key, ids in entries.items()], True
+        kept: list[tuple[str, list[str], bool]] = []
+        for key, ids in entries.items():
+            if round_ - self._last.get(key, round_ - self.every) >= self.every:
+                kept.append((key, list(ids), True))
+            elif recent := [i for i in ids if round_ - self._first.get(i, round_) < RECENT]:
+                kept.append((key, recent, False))
+        return kept, False
 
-    def kept(self, key: str, ids: Sequence[str], round_: int, restored: bool) -> None:
-        """Redis answered the keep of `key` sent in round `round_`; `restored`: it had to
-        write some of them back (Redis lost them: every account is kept next, unless this
-        round kept every account)."""
-        self._last[key] = round_
+    def kept(self, key: str, ids: Sequence[str], round_: int, whole: bool, restored: bool) -> None:
+        """Redis answered the keep of `ids` of `key` sent in round `round_` (`whole`: all of
+        its ids); `restored`: it had to write some back (Redis lost them: every account is
+        kept next, unless this round kept every account)."""
+        if whole:
+            self._last[key] = round_
         for i in ids:
             self._first.setdefault(i, round_)
         self._again = self._again or restored
@@ -96,6 +102,7 @@ class Batch:
 
     keys: list[str]
     entries: list[list[str]]
+    whole: list[bool]  # per account: all of its ids
     everyone: bool  # every account this replica holds entries in
     number: int  # the round
     calls: list[Call]
@@ -117,9 +124,8 @@ class AccountKeeper:
         if (moves := adm.store.moves) is not None and moves != self._moves:
             self._moves = moves
             self.keeps.lost()  # another master: it may lack what the last one had
-        entries = adm.holdings.entries_by_account()
-        keys, everyone = self.keeps.due(entries, number)
-        kept = [entries[key] for key in keys]
+        due, everyone = self.keeps.due(adm.holdings.entries_by_account(), number)
+        keys, kept, whole = [k for k, _, _ in due], [i for _, i, _ in due], [w for _, _, w in due]
         per = self._per_call()
         calls: list[Call] = []
         for at in range(0, len(keys), per):
@@ -127,7 +133,7 @@ class AccountKeeper:
             for ids in kept[at : at + per]:
                 args += (len(ids), *ids)
             calls.append(("account_keep", keys[at : at + per], args))
-        return Batch(keys, kept, everyone, number, calls)
+        return Batch(keys, kept, whole, everyone, number, calls)
 
     def answered(self, batch: Batch, replies: Sequence[Any]) -> None:
         """The batch's replies, one per call: entries written back are given back where this
@@ -136,10 +142,12 @@ class AccountKeeper:
         for (_, keys, _), reply in zip(batch.calls, replies, strict=False):
             # (a call's error stands for each of its accounts)
             per_key += reply if isinstance(reply, list) else [reply] * len(keys)
-        for key, ids, reply in zip(batch.keys, batch.entries, per_key, strict=False):
+        for key, ids, whole, reply in zip(
+            batch.keys, batch.entries, batch.whole, per_key, strict=False
+        ):
             self.admission.handback.recheck(reply, None, key)
             if not isinstance(reply, Exception):
-                self.keeps.kept(key, ids, batch.number, bool(reply))
+                self.keeps.kept(key, ids, batch.number, whole, bool(reply))
         answered = len(replies) == len(batch.calls) and first_error(replies) is None
         self.keeps.done(batch.everyone, answered)
 

@@ -7,24 +7,27 @@ from routing.admission.accountkeeps import RECENT, AccountKeeps
 
 
 def keep_all(keeps: AccountKeeps, entries: dict[str, list[str]], round_: int) -> None:
-    keys, everyone = keeps.due(entries, round_)
-    for key in keys:
-        keeps.kept(key, entries[key], round_, restored=False)
+    due, everyone = keeps.due(entries, round_)
+    for key, ids, whole in due:
+        keeps.kept(key, ids, round_, whole, restored=False)
     keeps.done(everyone, answered=True)
+
+
+def keys(keeps: AccountKeeps, entries: dict[str, list[str]], round_: int) -> list[str]:
+    return [key for key, _, _ in keeps.due(entries, round_)[0]]
 
 
 def test_the_first_round_keeps_every_account_then_only_recent_entries_and_due_accounts() -> None:
     keeps = AccountKeeps(every=10)
     entries = {"a": ["1"], "b": ["2"]}
-    assert keeps.due(entries, 0) == (["a", "b"], True)
+    assert keeps.due(entries, 0) == ([("a", ["1"], True), ("b", ["2"], True)], True)
     keep_all(keeps, entries, 0)
     for r in range(1, RECENT):  # kept lately: at every round, what a failover may lose
-        assert keeps.due(entries, r)[0] == ["a", "b"]
+        assert keeps.due(entries, r)[0] == [("a", ["1"], False), ("b", ["2"], False)]
         keep_all(keeps, entries, r)
-    last = RECENT - 1
-    for r in range(RECENT, last + 10):
+    for r in range(RECENT, 10):
         assert keeps.due(entries, r) == ([], False)
-    assert keeps.due(entries, last + 10)[0] == ["a", "b"]  # due: a third of the TTL
+    assert keys(keeps, entries, 10) == ["a", "b"]  # due: a third of the TTL
 
 
 def test_a_new_entry_has_its_account_kept_at_once() -> None:
@@ -34,7 +37,7 @@ def test_a_new_entry_has_its_account_kept_at_once() -> None:
         keep_all(keeps, entries, r)
     assert keeps.due(entries, RECENT + 1)[0] == []
     entries["b"].append("3")
-    assert keeps.due(entries, RECENT + 1)[0] == ["b"]
+    assert keeps.due(entries, RECENT + 1)[0] == [("b", ["3"], False)]  # the new one alone
 
 
 def test_a_loss_or_an_entry_written_back_keeps_every_account_next() -> None:
@@ -43,17 +46,17 @@ def test_a_loss_or_an_entry_written_back_keeps_every_account_next() -> None:
     for r in range(RECENT + 1):
         keep_all(keeps, entries, r)
     keeps.lost()
-    assert keeps.wants_all() and keeps.due(entries, 5) == (["a", "b"], True)
+    assert keeps.wants_all() and keys(keeps, entries, 5) == ["a", "b"]
     keep_all(keeps, entries, 5)
     assert not keeps.wants_all()
-    entries["b"].append("3")  # new: kept at once, and found gone from Redis (not "2")
-    assert keeps.due(entries, 6) == (["b"], False)
-    keeps.kept("b", entries["b"], 6, restored=True)
+    entries["b"].append("3")  # new: kept at once, and found gone from Redis
+    assert keeps.due(entries, 6) == ([("b", ["3"], False)], False)
+    keeps.kept("b", ["3"], 6, False, restored=True)
     keeps.done(False, answered=True)
     assert keeps.wants_all()  # written back: other accounts may have lost theirs too
-    keys, everyone = keeps.due(entries, 7)
-    for key in keys:
-        keeps.kept(key, entries[key], 7, restored=True)  # a full round writes all back
+    due, everyone = keeps.due(entries, 7)
+    for key, ids, whole in due:
+        keeps.kept(key, ids, 7, whole, restored=True)  # a full round writes all back
     keeps.done(everyone, answered=True)
     assert not keeps.wants_all()
     assert keeps.due(entries, 7 + RECENT)[0] == []
