@@ -134,7 +134,11 @@ class Holdings:
             if lease_id not in self.held:
                 found[model].append(lease_id)
         for waiter_id, waiter in self.waiters.items():
-            if waiter.future.done() and waiter_id not in self.held:
+            # (Once each: a waiter registers before its acquire leaves, so it may be woken
+            # before that acquire is answered; its one lease counted twice would make this
+            # replica's local outage share one more than it holds.)
+            done = waiter.future.done()
+            if done and waiter_id not in self.held and waiter_id not in self.acquiring:
                 found[waiter.model].append(waiter_id)
         return found
 

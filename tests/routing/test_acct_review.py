@@ -1,0 +1,78 @@
+"""Review attacks on the accounts' keeps and the local outage shares (routing/admission/
+accountkeeps.py, keeper.py, holdings.py), against the run's Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.runtime.settings import parse_config
+from routing.admission.slots import QUEUED
+from routing.registry import Registry
+from tests.routing.test_admission import (
+    CONFIG,
+    Fleet,
+    admit,
+    bounded,
+    intercept,
+    release_all,
+)
+from tests.routing.test_keeper import keeper_of
+
+
+@pytest.fixture
+async def fleet(real_redis: aioredis.Redis) -> AsyncIterator[Fleet]:
+    config = parse_config(CONFIG, "t.yaml")
+    built = Fleet(config, Registry(config.models), real_redis)
+    try:
+        yield built
+    finally:
+        await built.close()
+
+
+async def test_the_local_shares_add_up_when_a_waiter_is_woken_before_its_acquire_is_answered(
+    fleet: Fleet,
+) -> None:
+    """A waiter registers before its acquire leaves, so its wake-up may come before the
+    acquire's reply: the id is then both an acquire not answered yet and a waiter woken. A
+    sweep run then must count its one lease once among this replica's (`mine`), or the
+    replicas' local shares add up to more than the capacity."""
+    a = await fleet.admission(on_outage="local")
+    b = await fleet.admission(on_outage="local")
+    sweep_a, sweep_b = keeper_of(fleet, a), keeper_of(fleet, b)
+    held = [(await admit(b, fleet.plan("five"))).lease for _ in range(5)]  # capacity 5
+    await bounded(sweep_a.sweep_once())
+    await bounded(sweep_b.sweep_once())  # both alive: each sees the other from now on
+    swept = False
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        nonlocal swept
+        replies = await send()
+        for (name, _, args), reply in zip(calls, replies, strict=True):
+            if name == "acquire" and int(reply[0]) == QUEUED and not swept:
+                swept = True
+                waiter = a.holdings.waiters[str(args[0])]
+                # b's release grants a's waiter; its wake-up is read before the reply is.
+                await bounded(b.release(held.pop()))
+                # Its wake-up message, as the subscription reads it.
+                granted = await fleet.member("five", str(args[0]))
+                assert granted is not None
+                sweep_a.wake(str(args[0]), granted.split(" ")[1])
+                assert waiter.future.done()
+                assert str(args[0]) in a.holdings.acquiring
+                await bounded(sweep_a.sweep_once())  # the waiter woken, its acquire unanswered
+        return replies
+
+    intercept(a, around)
+    lease = (await admit(a, fleet.plan("five"))).lease
+    await bounded(sweep_b.sweep_once())
+    assert swept
+    assert sweep_a.states["five"].inflight == sweep_b.states["five"].inflight == 5
+    limits = [a.local.limit("five"), b.local.limit("five")]  # 5 held, none free: 1 + 4
+    assert sum(limits) <= 5, limits
+    await release_all(a, [lease])
+    await release_all(b, held)
+    await fleet.assert_clean()
