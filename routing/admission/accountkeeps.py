@@ -9,7 +9,9 @@ work for a queue that deep (bench/README.md). An account is kept when:
 - it holds an entry no sweep kept yet, or kept for the first time less than RECENT rounds
   ago: what a failover to a replica that lagged a few seconds behind (or an AOF's last
   second) may have lost is written back at once, as before (those entries only);
-- its last keep was `every` rounds ago: far inside the entries' TTL (a third of it);
+- its last keep was `every` rounds ago, or a third of the entries' TTL ago, whichever comes
+  first: rounds run late when Redis is slow to answer or the loop is busy (each starts an
+  interval after the last ended), and `every` late rounds may outlast the TTL;
 - Redis lost this replica's state (its heartbeat found it gone: a restart empty, a failover
   that lost more than the RECENT rounds), an account's keep found entries gone, or the store
   moved to another master: then every account, at the next sweep.
@@ -17,6 +19,7 @@ work for a queue that deep (bench/README.md). An account is kept when:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,9 +39,11 @@ PER_CALL = 500
 
 
 class AccountKeeps:
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, every_s: float = math.inf) -> None:
         self.every = max(1, every)
+        self.every_s = every_s
         self._last: dict[str, int] = {}  # account key -> the round of its last keep
+        self._at: dict[str, float] = {}  # account key -> when its last keep left (a clock)
         self._first: dict[str, int] = {}  # entry id -> the round of its first keep
         self._all = True  # the next round keeps every account
         self._again = False  # a keep of the round found entries gone
@@ -46,34 +51,51 @@ class AccountKeeps:
     @classmethod
     def of(cls, ttl_ms: int, interval_s: float) -> AccountKeeps:
         """Kept at least three times within the entries' TTL."""
-        return cls(int(ttl_ms / 1000 / max(interval_s, 0.001) / 3))
+        return cls(int(ttl_ms / 1000 / max(interval_s, 0.001) / 3), ttl_ms / 1000 / 3)
 
     def due(
-        self, entries: Mapping[str, Sequence[str]], round_: int
+        self, entries: Mapping[str, Sequence[str]], round_: int, now: float | None = None
     ) -> tuple[list[tuple[str, list[str], bool]], bool]:
         """What the round `round_` keeps: per account its ids to keep and whether those are
         all of its ids (due, or every account is); and whether that is every account. An
         account kept only for its recent entries sends those alone: one account with
-        thousands of requests would otherwise send them all at every round."""
+        thousands of requests would otherwise send them all at every round. `now`: when
+        the round leaves (the clock of `kept`'s `at`)."""
         held = {i for ids in entries.values() for i in ids}
         self._first = {i: r for i, r in self._first.items() if i in held}
         self._last = {key: r for key, r in self._last.items() if key in entries}
+        self._at = {key: t for key, t in self._at.items() if key in entries}
         if self._all:
             return [(key, list(ids), True) for key, ids in entries.items()], True
         kept: list[tuple[str, list[str], bool]] = []
         for key, ids in entries.items():
-            if round_ - self._last.get(key, round_ - self.every) >= self.every:
+            if self._due(key, round_, now):
                 kept.append((key, list(ids), True))
             elif recent := [i for i in ids if round_ - self._first.get(i, round_) < RECENT]:
                 kept.append((key, recent, False))
         return kept, False
 
-    def kept(self, key: str, ids: Sequence[str], round_: int, whole: bool, restored: bool) -> None:
+    def _due(self, key: str, round_: int, now: float | None) -> bool:
+        if round_ - self._last.get(key, round_ - self.every) >= self.every:
+            return True
+        return now is not None and key in self._at and now - self._at[key] >= self.every_s
+
+    def kept(
+        self,
+        key: str,
+        ids: Sequence[str],
+        round_: int,
+        whole: bool,
+        restored: bool,
+        at: float | None = None,
+    ) -> None:
         """Redis answered the keep of `ids` of `key` sent in round `round_` (`whole`: all of
-        its ids); `restored`: it had to write some back (Redis lost them: every account is
-        kept next, unless this round kept every account)."""
+        its ids), which left at `at`; `restored`: it had to write some back (Redis lost them:
+        every account is kept next, unless this round kept every account)."""
         if whole:
             self._last[key] = round_
+            if at is not None:
+                self._at[key] = at
         for i in ids:
             self._first.setdefault(i, round_)
         self._again = self._again or restored
@@ -105,6 +127,7 @@ class Batch:
     whole: list[bool]  # per account: all of its ids
     everyone: bool  # every account this replica holds entries in
     number: int  # the round
+    sent: float  # when it left (the admission's waiting clock)
     calls: list[Call]
 
 
@@ -124,7 +147,8 @@ class AccountKeeper:
         if (moves := adm.store.moves) is not None and moves != self._moves:
             self._moves = moves
             self.keeps.lost()  # another master: it may lack what the last one had
-        due, everyone = self.keeps.due(adm.holdings.entries_by_account(), number)
+        sent = adm.waiting.clock()
+        due, everyone = self.keeps.due(adm.holdings.entries_by_account(), number, sent)
         keys, kept, whole = [k for k, _, _ in due], [i for _, i, _ in due], [w for _, _, w in due]
         per = self._per_call()
         calls: list[Call] = []
@@ -133,7 +157,7 @@ class AccountKeeper:
             for ids in kept[at : at + per]:
                 args += (len(ids), *ids)
             calls.append(("account_keep", keys[at : at + per], args))
-        return Batch(keys, kept, whole, everyone, number, calls)
+        return Batch(keys, kept, whole, everyone, number, sent, calls)
 
     def answered(self, batch: Batch, replies: Sequence[Any]) -> None:
         """The batch's replies, one per call: entries written back are given back where this
@@ -147,7 +171,7 @@ class AccountKeeper:
         ):
             self.admission.handback.recheck(reply, None, key)
             if not isinstance(reply, Exception):
-                self.keeps.kept(key, ids, batch.number, whole, bool(reply))
+                self.keeps.kept(key, ids, batch.number, whole, bool(reply), batch.sent)
         answered = len(replies) == len(batch.calls) and first_error(replies) is None
         self.keeps.done(batch.everyone, answered)
 

@@ -73,3 +73,16 @@ def test_a_round_not_answered_in_full_keeps_every_account_again() -> None:
 def test_kept_three_times_within_the_ttl() -> None:
     assert AccountKeeps.of(30_000, 1.0).every == 10
     assert AccountKeeps.of(2_000, 1.0).every == 1
+
+
+def test_an_account_is_due_a_third_of_the_ttl_after_its_last_keep_however_late_the_rounds() -> None:
+    """Rounds run late (a slow Redis, a busy loop): `every` of them may outlast the TTL."""
+    keeps = AccountKeeps.of(30_000, 1.0)
+    entries = {"a": ["1"]}
+    due, everyone = keeps.due(entries, 0, 0.0)
+    for key, ids, whole in due:
+        keeps.kept(key, ids, 0, whole, restored=False, at=0.0)
+    keeps.done(everyone, answered=True)
+    assert keys(keeps, entries, RECENT) == []
+    assert keeps.due(entries, RECENT, 9.9)[0] == []
+    assert keeps.due(entries, RECENT, 10.0)[0] == [("a", ["1"], True)]  # 4 rounds, 10 s

@@ -3,6 +3,7 @@ accountkeeps.py, keeper.py, holdings.py), against the run's Redis."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -10,13 +11,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.runtime.settings import parse_config
+from routing.admission.admit import Admission
 from routing.admission.slots import QUEUED
 from routing.registry import Registry
+from routing.store.resp import RespClient
+from tests.conftest import REDIS_URL
 from tests.routing.test_admission import (
     CONFIG,
     Fleet,
     admit,
     bounded,
+    expect_limited,
     intercept,
     release_all,
 )
@@ -75,4 +80,35 @@ async def test_the_local_shares_add_up_when_a_waiter_is_woken_before_its_acquire
     assert sum(limits) <= 5, limits
     await release_all(a, [lease])
     await release_all(b, held)
+    await fleet.assert_clean()
+
+
+async def short_lived(fleet: Fleet, lease_ttl_s: float, sweep_interval_s: float) -> Admission:
+    """A replica on the run's Redis whose leases and account entries live `lease_ttl_s`."""
+    adm = Admission(
+        RespClient(REDIS_URL, connect_timeout_s=0.5), fleet.registry, fleet.config.tiers,
+        lease_ttl_s=lease_ttl_s, on_outage="reject", sweep_interval_s=sweep_interval_s,
+    )  # fmt: skip
+    await bounded(adm.start())
+    fleet._admissions.append(adm)
+    return adm
+
+
+async def test_an_account_entry_outlives_sweeps_that_run_late(fleet: Fleet) -> None:
+    """Sweeps run later than their interval (a Redis slow to answer, a busy loop: each round
+    starts an interval after the last ended): an account's entry must still be kept within
+    its TTL while its request runs, or a second request of an account at its limit (here 1)
+    is admitted on another replica."""
+    ttl_s, interval_s, late_s = 1.5, 0.1, 0.75  # kept when due: every 5 rounds (a third)
+    a = await short_lived(fleet, ttl_s, interval_s)
+    b = await short_lived(fleet, ttl_s, interval_s)
+    keeper = keeper_of(fleet, a, interval_s=interval_s)
+    lease = (await admit(a, fleet.plan("five"), account="t-long", limit=1)).lease
+    for _ in range(5):  # kept lately for RECENT rounds; the round after is due
+        await bounded(keeper.sweep_once())
+        await asyncio.sleep(late_s)  # the next round, late (not a synchronisation)
+    await expect_limited(
+        admit(b, fleet.plan("five"), account="t-long", limit=1), "concurrency_limit"
+    )
+    await release_all(a, [lease])
     await fleet.assert_clean()
