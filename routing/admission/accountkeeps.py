@@ -15,6 +15,9 @@ work for a queue that deep (bench/README.md). An account is kept when:
 - Redis lost this replica's state (its heartbeat found it gone: a restart empty, a failover
   that lost more than the RECENT rounds), an account's keep found entries gone, or the store
   moved to another master: then every account, at the next sweep.
+
+On a Redis Cluster every account is kept at every round: the heartbeat lives on one node
+and cannot tell that another master restarted empty.
 """
 
 from __future__ import annotations
@@ -138,6 +141,11 @@ class AccountKeeper:
     def __init__(self, admission: Admission, interval_s: float) -> None:
         self.admission = admission
         self.keeps = AccountKeeps.of(admission.timing.lease_ttl_ms, interval_s)
+        if not admission.store.one_node:
+            # On a Cluster the heartbeat vouches for its own node alone: a master restarted
+            # empty (same address, no failover: `moves` unchanged) that holds accounts' keys
+            # but not gw:replicas lost them unseen. Every account at every round there.
+            self.keeps = AccountKeeps(1)
         self._moves = 0  # the store's moves to another master seen
 
     def batch(self, number: int) -> Batch:

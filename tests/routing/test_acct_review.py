@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.runtime.settings import parse_config
+from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
+from routing.admission.keeper import REPLICAS_KEY
 from routing.admission.slots import QUEUED
+from routing.errors import Limited
 from routing.registry import Registry
+from routing.store.connect import connect
 from routing.store.resp import RespClient
 from tests.conftest import REDIS_URL
+from tests.redis_cluster import start_cluster
 from tests.routing.test_admission import (
     CONFIG,
     Fleet,
@@ -112,3 +118,39 @@ async def test_an_account_entry_outlives_sweeps_that_run_late(fleet: Fleet) -> N
     )
     await release_all(a, [lease])
     await fleet.assert_clean()
+
+
+async def test_on_a_cluster_a_node_restarted_empty_has_its_accounts_entries_written_back(
+    tmp_path: Path,
+) -> None:
+    """A master restarted empty that holds an account's key but not the heartbeats': the
+    account's entry, no longer recent, must be written back by the next sweep, or another
+    request of an account at its limit is admitted."""
+    cluster = start_cluster(tmp_path / "c", ["--cluster-require-full-coverage", "no"])
+    config = parse_config(CONFIG, "t.yaml")
+    inspect = connect(cluster.url, command_timeout_s=2.0)
+    fleet = Fleet(config, Registry(config.models), inspect, store="cluster", cluster=cluster)
+    try:
+        beats = cluster.node_of(REPLICAS_KEY)
+        account = next(
+            a
+            for i in range(100)
+            if cluster.node_of("{" + (a := f"t-node-{i}") + "}")
+            not in (beats, cluster.node_of("{two}"))
+        )
+        down = cluster.node_of("{" + account + "}")
+        adm = await fleet.admission()
+        keeper = keeper_of(fleet, adm)
+        lease = (await admit(adm, fleet.plan("two"), account=account, limit=1)).lease
+        for _ in range(RECENT + 1):  # no longer recent
+            await bounded(keeper.sweep_once())
+        down.restart_empty()
+        await asyncio.to_thread(cluster.wait_ok)
+        await bounded(keeper.sweep_once())
+        with pytest.raises(Limited):
+            await admit(adm, fleet.plan("two"), account=account, limit=1)
+        await bounded(adm.release(lease))
+    finally:
+        await fleet.close()
+        await inspect.aclose()
+        cluster.stop()
