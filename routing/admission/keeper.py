@@ -205,9 +205,7 @@ class Keeper:
             slots.seen_queue = found.state.queued
             found_parts[part] = found
             adm.handback.recheck(found.restored, part)
-            for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
-                adm.waiting.kept(waiter_id, work.sent)
-                self._found(part, waiter_id, endpoint)
+            self._waiters(part, work, found)
         self._saw_models(found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
@@ -288,6 +286,16 @@ class Keeper:
             self._reserving.add(part)
         else:
             self._reserving.discard(part)
+
+    def _waiters(self, part: str, work: _Round, found: Sweep) -> None:
+        """The waiters the sweep named: kept from when it left (found queued, or granted
+        and kept for the lease's TTL; not those it queued again as lost: a wake-up read
+        later may tell of a grant that is gone), then woken or given back (`_found`)."""
+        again = set(found.requeued)
+        for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
+            if waiter_id not in again:
+                self.admission.waiting.kept(waiter_id, work.sent)
+            self._found(part, waiter_id, endpoint)
 
     def _found(self, part: str, waiter_id: str, endpoint: str) -> None:
         """A waiter the sweep named: woken if granted. One this replica no longer holds

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from routing.admission.slots import GRANTED
@@ -55,6 +55,9 @@ class Sweep:
     # This replica's leases among `state.inflight`, read in the same instant: those it
     # sent, its waiters' grants, and the leases of the ids it may hold without knowing yet.
     mine: int = 0
+    # The waiters sent that it found neither queued nor granted and queued again at their
+    # place: a grant they had is gone (its claim time passed, Redis lost it).
+    requeued: list[str] = field(default_factory=list)
 
 
 def attempt(reply: Any) -> Attempt:
@@ -79,4 +82,5 @@ def sweep_result(reply: Sequence[Any]) -> Sweep:
         [text(x) for x in reply[1]],
         [text(x) for x in reply[2]],
         int(reply[3]),
+        [text(x) for x in reply[4]],
     )

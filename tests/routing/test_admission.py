@@ -1200,6 +1200,51 @@ async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
     await fleet.assert_clean()
 
 
+async def test_a_wake_up_read_after_its_replicas_sweep_queued_the_waiter_again_is_not_trusted(
+    fleet: Fleet,
+) -> None:
+    """As above, but the resumed replica's sweep reaches Redis before its subscription reads
+    the wake-up (a sweep due at once, a backlog of messages to read): that sweep finds the
+    waiter neither queued nor granted (its grant went back after the claim time) and queues
+    it again at its place. It did not find the waiter queued, so it says nothing of the
+    grant the wake-up tells of: that one is gone, its slot taken."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)
+    sweeper = await fleet.keeper(holder, listen=False)
+    queued = watch_queued(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
+    waiter_id = await bounded(queued.get())
+    await bounded(holder.release(held[0]))  # granted in Redis while the replica is stopped
+    member = await fleet.member("two", waiter_id)
+    assert member is not None
+    seconds, micros = await fleet.redis.time()
+    past = seconds * 1000 + micros // 1000 - 1000
+    await fleet.redis.zadd("gw:{two}:leases", {member: past}, xx=True)  # its claim time over
+    await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
+    other = await admit(holder, fleet.plan("two"))
+    assert other.lease.endpoint == held[0].endpoint
+    stopped_s = waiting.timing.claim_ms / 1000
+    start = time.monotonic()
+    waiting.waiting.clock = lambda: time.monotonic() - start + stopped_s + start
+    await bounded(keeper.sweep_once())  # the replica resumes: its sweep first
+    assert await fleet.queued("two") == 1  # queued again at its place, as lost
+    keeper.wake(waiter_id, held[0].endpoint)  # then the wake-up is read
+    try:
+        admitted = await bounded(task)
+    except Limited:
+        admitted = None
+    running = Counter(
+        lease.endpoint for adm in (holder, waiting) for lease in adm.holdings.held.values()
+    )
+    assert max(running.values()) <= 1, running
+    await release_all(holder, [held[1], other.lease])
+    if admitted is not None:
+        await release_all(waiting, [admitted.lease])
+    await bounded(waiting.close())
+    await fleet.assert_clean()
+
+
 async def test_a_waiter_gone_while_a_sweep_naming_it_is_on_its_way_is_not_queued_again(
     fleet: Fleet,
 ) -> None:

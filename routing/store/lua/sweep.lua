@@ -17,7 +17,8 @@
 --          version or ''}, written-back lease ids, one entry per waiter: its granted
 --          endpoint or '', the leases of this replica among inflight (its leases, kept or
 --          written back, its waiters' grants and the pending ids' leases: read in the same
---          instant as inflight, for the local outage shares)}.
+--          instant as inflight, for the local outage shares), the waiters queued again at
+--          their place as lost (neither queued nor granted: a grant they had is gone)}.
 -- Its cost grows with what this replica holds and with the endpoints only while nothing is
 -- held at all (the loads' mend, below), never with the queue of other replicas.
 -- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
@@ -133,7 +134,7 @@ for j = 1, #members do
 end
 set_scores(LEASES, keep)
 at = at + 2 * n + 1
-local granted, requeued = {}, 0
+local granted, requeued, again = {}, 0, {}
 -- This replica's leases: every one it sent is held now (kept, or written back).
 local mine = n
 -- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
@@ -164,6 +165,7 @@ for j, id in ipairs(ids) do
     -- Lost: back at its place.
     granted[j] = ''
     requeued = requeued + 1
+    again[requeued] = id
     place = ARGV[at + 2 * j]
     local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
     enqueue(id, rank, score(seq))
@@ -222,4 +224,4 @@ end
 for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
-return {state, restored, granted, mine}
+return {state, restored, granted, mine, again}
