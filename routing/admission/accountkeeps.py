@@ -13,8 +13,9 @@ work for a queue that deep (bench/README.md). An account is kept when:
   first: rounds run late when Redis is slow to answer or the loop is busy (each starts an
   interval after the last ended), and `every` late rounds may outlast the TTL;
 - Redis lost this replica's state (its heartbeat found it gone: a restart empty, a failover
-  that lost more than the RECENT rounds), an account's keep found entries gone, or the store
-  moved to another master: then every account, at the next sweep.
+  that lost more than the RECENT rounds; or a round failed whole, its heartbeat's answer
+  unknown), an account's keep found entries gone, or the store moved to another master:
+  then every account, at the next sweep.
 
 On a Redis Cluster every account is kept at every round: the heartbeat lives on one node
 and cannot tell that another master restarted empty.

@@ -127,6 +127,10 @@ class Keeper:
         except BaseException:
             for model in work.indexed:  # its index writes may not have landed
                 self.admission.slots[model].rewrite()
+            if self._accounts is not None:
+                # Its heartbeat may have run and found this replica gone (Redis restarted
+                # empty), unseen: the next heartbeat finds it there. Every account next.
+                self._accounts.keeps.lost()
             raise
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:

@@ -174,6 +174,39 @@ async def test_an_empty_restart_has_every_account_written_back_by_the_sweep_that
     await fleet.assert_clean()
 
 
+async def test_an_empty_restart_found_by_a_round_whose_reply_was_lost_has_every_account_back(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    """The first round after an empty restart runs in Redis, but its reply never comes (the
+    connection dropped, the deadline passed): its heartbeat wrote this replica back, so the
+    next one finds it there. The accounts' entries no longer recent must still be written
+    back by that next round (SPEC 4: within one sweep), not when due (a third of the TTL)."""
+    adm = await fleet.admission()
+    keeper = keeper_of(fleet, adm)
+    lease = (await admit(adm, fleet.plan("two"))).lease
+    for _ in range(RECENT + 1):  # its entry no longer recent: not kept at every round
+        await bounded(keeper.sweep_once())
+    await real_redis.flushdb()  # Redis restarted with nothing
+    lost = True
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        nonlocal lost
+        replies = await send()
+        if lost and is_sweep(calls):
+            lost = False
+            raise RedisConnectionError("connection lost")  # after Redis ran the round
+        return replies
+
+    intercept(adm, around)
+    with pytest.raises(RedisConnectionError):
+        await bounded(keeper.sweep_once())
+    await bounded(keeper.sweep_once())
+    assert await fleet.leases("two") == 1
+    assert await fleet.account() == 1  # the account's entry, by the round after
+    await bounded(adm.release(lease))
+    await fleet.assert_clean()
+
+
 async def test_the_sweep_says_the_replica_is_alive(
     fleet: Fleet, real_redis: aioredis.Redis
 ) -> None:
