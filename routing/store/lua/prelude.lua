@@ -91,6 +91,9 @@ local SEQ, REBUILD, CHANNEL, HELD
 -- (`take_any`); both forgotten at each write to `free` (`rescore`, `take_slot`).
 local full, clock, waits, leases_n, touched, rebuild_open, ranks, modes, roles, counted
 local roomy, free_head
+-- `ep_urls`: the endpoints `ep_load` counts, read once per call where a lease is looked for
+-- on every endpoint (`endpoint_urls`).
+local ep_urls
 
 -- The names are made again only when the model changes: a library of Redis Functions keeps
 -- them between calls (about 0.8 usec a call), a script makes them on every call.
@@ -112,7 +115,7 @@ local function bind(keys)
   ACCOUNT = keys[#keys == 2 and 2 or 0]
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
   modes, roles, counted = nil, nil, nil
-  roomy, free_head = nil, nil
+  roomy, free_head, ep_urls = nil, nil, nil
 end
 
 -- @fn now_ms
@@ -276,6 +279,7 @@ end
 -- A lease of `id` on `ep` until `expiry`, counted whatever the load (a lease written back:
 -- its request runs there), with its reserved tokens.
 local function grant(id, ep, expiry)
+  ep_urls = nil  -- (its count may be a new field of `ep_load`)
   redis.call('ZADD', LEASES, expiry, id .. ' ' .. ep)
   local load = redis.call('HINCRBY', EP_LOAD, ep, '1')
   local t = tokens_of(id)
@@ -433,6 +437,17 @@ end
 -- found in O(1) (`ep_of`); a lease whose acquire went unanswered (its member names its
 -- endpoint) only by trying every endpoint that ever held a lease, O(endpoints), a rare case
 -- (a call in doubt), left out when `scan` is false.
+-- The endpoints `ep_load` counts (its fields but its own marks), read once per call.
+local function endpoint_urls()
+  if not ep_urls then
+    ep_urls = {}
+    for _, field in ipairs(redis.call('HKEYS', EP_LOAD)) do
+      if string.sub(field, 1, 1) ~= '~' then ep_urls[#ep_urls + 1] = field end
+    end
+  end
+  return ep_urls
+end
+
 local function find_lease(id, scan)
   local ep = redis.call('HGET', EP_OF, id)
   if ep then
@@ -443,13 +458,8 @@ local function find_lease(id, scan)
     if expiry then return ep, id, expiry end
   end
   if scan == false then return nil end
-  local urls, members = {}, {}
-  for _, field in ipairs(redis.call('HKEYS', EP_LOAD)) do
-    if string.sub(field, 1, 1) ~= '~' then
-      urls[#urls + 1] = field
-      members[#members + 1] = id .. ' ' .. field
-    end
-  end
+  local urls, members = endpoint_urls(), {}
+  for i, url in ipairs(urls) do members[i] = id .. ' ' .. url end
   local found = scores_of(LEASES, members)
   for i = 1, #members do
     if found[i] then return urls[i], members[i], found[i] end
