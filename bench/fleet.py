@@ -1,10 +1,12 @@
 """What one admission costs as the fleet grows: Redis CPU and the gateway's own CPU per
 admitted request, for a model on 1, 64 and 1,000 endpoints, with an empty queue, with
 10,000 waiters of one account and with 10,000 accounts waiting in a fair tier; the same over
-HTTP through gateway replicas and simulated workers; and one model's partitions on a
-3-master Redis Cluster.
+HTTP through gateway replicas and simulated workers, with an empty queue ("http") and with
+10,000 requests waiting ("queue": bench/fleet_queue.py, everything Redis does for a request
+counted, the replicas' sweeps too); and one model's partitions on a 3-master Redis Cluster.
 
-Run: .venv/bin/python bench/fleet.py [--only admission|http|cluster] [--quick] [--out FILE]
+Run: .venv/bin/python bench/fleet.py [--only admission|http|queue|cluster] [--quick]
+[--out FILE]
 (part of `make bench`). Results: bench/results/fleet-<date>.json; figures in bench/README.md.
 
 The admission part drives the admission scripts (routing/store/lua/) through the calls the
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
 import fleet_http  # noqa: E402
+import fleet_queue  # noqa: E402
 import harness  # noqa: E402
 from rediskit import measured  # noqa: E402
 
@@ -270,7 +273,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4000, help="per HTTP configuration")
     parser.add_argument("--quick", action="store_true", help="a short run; no results file")
-    parser.add_argument("--only", choices=["admission", "http", "cluster"], default=None)
+    parser.add_argument("--only", choices=["admission", "http", "queue", "cluster"], default=None)
+    parser.add_argument("--queued", type=int, default=6000, help="per HTTP queue configuration")
+    parser.add_argument("--queue-rounds", type=int, default=1, help="about 15 minutes each")
     parser.add_argument("--redis", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -287,6 +292,11 @@ def main() -> None:
             rows = fleet_http.single(Path(tmp), url, requests, rounds)
             result["http"] = {"rows": rows, **http_summary(rows)}
             print(json.dumps(result["http"]["ratio_to_n1"], indent=1))
+        if args.only in (None, "queue"):
+            queued = 3000 if args.quick else args.queued
+            rows = fleet_queue.run(Path(tmp), url, queued, args.queue_rounds)
+            result["queue"] = {"rows": rows, **fleet_queue.summary(rows)}
+            print(json.dumps(result["queue"]["ratio_to_empty_same_n"], indent=1))
     if args.only in (None, "cluster"):
         with tempfile.TemporaryDirectory() as tmp:
             result["cluster"] = fleet_http.partitioned(Path(tmp), requests)

@@ -40,7 +40,7 @@ MODEL = "fleet"
 CAPACITY = 1000
 REPLICAS = 2
 CONCURRENCY = 32
-SIM = ("--ttft-ms", "0", "--itl-ms", "0", "--tokens", "1")
+SIM = ("--itl-ms", "0", "--tokens", "1")
 BODY = {"model": MODEL, "prompt": "x", "max_tokens": 1}
 
 
@@ -63,11 +63,28 @@ def contiguous_ports(n: int, tries: int = 50) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+def account_key(i: int) -> str:
+    """The key of the bench's account `i` (bench/fleet_queue.py: one account per key)."""
+    return f"{KEY}-{i}"
+
+
 def config(
-    redis_url: str, base: int, n: int, size: int, partitions: int = 1, budget: int | None = None
+    redis_url: str,
+    base: int,
+    n: int,
+    size: int,
+    partitions: int = 1,
+    budget: int | None = None,
+    accounts: int = 0,
 ) -> str:
-    """`budget`: each endpoint's token budget (`max_tokens_in_flight`), none by default."""
+    """`budget`: each endpoint's token budget (`max_tokens_in_flight`), none by default;
+    `accounts`: as many more keys (`account_key`), each its own account."""
     digest = hashlib.sha256(KEY.encode()).hexdigest()
+    keys = "".join(
+        f'  - {{sha256: "{hashlib.sha256(account_key(i).encode()).hexdigest()}", '
+        f"account: a{i}, max_concurrency: 100000}}\n"
+        for i in range(accounts)
+    )
     tokens = f", max_tokens_in_flight: {budget}" if budget else ""
     endpoints = "".join(
         f'      - {{url: "http://127.0.0.1:{base + i}", max_concurrency: {size}, model: m'
@@ -77,7 +94,9 @@ def config(
     return f"""
 redis: {{url: "{redis_url}", lease_ttl_s: 30}}
 health: {{interval_s: 300}}
-keys: [{{sha256: "{digest}", account: bench, max_concurrency: 100000}}]
+keys:
+  - {{sha256: "{digest}", account: bench, max_concurrency: 100000}}
+{keys}tiers: {{default: {{queue_timeout_s: 300}}}}
 models:
   {MODEL}:
     partitions: {partitions}
@@ -133,13 +152,15 @@ class Fleet:
         size: int,
         partitions: int = 1,
         budget: int | None = None,
+        accounts: int = 0,
+        ttft_ms: int = 0,
     ) -> None:
         self.n, self.size = n, size
         self.base = contiguous_ports(n)
         args = ["sim", "--port", str(self.base), "--endpoints", str(n), "--models", "m",
-                "--max-seqs", str(size), *SIM]  # fmt: skip
+                "--max-seqs", str(size), *SIM, "--ttft-ms", str(ttft_ms)]  # fmt: skip
         self.sim = Proc(args, self.base, "/health", tmp / f"sim-{self.base}.log").start()
-        text = config(redis_url, self.base, n, size, partitions, budget)
+        text = config(redis_url, self.base, n, size, partitions, budget, accounts)
         self.gateways: list[Proc] = []
         try:
             for _ in range(REPLICAS):
