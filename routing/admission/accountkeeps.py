@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 # Rounds during which an entry is kept at every sweep after its first keep: longer than
 # the writes a failover may lose (a replica's lag, an AOF's last second). A loss of more
-# makes this replica's heartbeat, written every round and living 3 rounds, go too.
+# makes this replica's heartbeat, written every round and living the waiter TTL (3 rounds
+# at least: max(3 s, 3 intervals)), go too. (With an interval under 1 s the heartbeat lives
+# more than 3 rounds; then the lease TTL is under 4 s and every account is due each round.)
 RECENT = 3
 # On one Redis this many accounts go in one keep (a script call per account cost about three
 # times its work); on a Cluster one, every account its own hash tag.
@@ -141,12 +143,14 @@ class AccountKeeper:
 
     def __init__(self, admission: Admission, interval_s: float) -> None:
         self.admission = admission
-        self.keeps = AccountKeeps.of(admission.timing.lease_ttl_ms, interval_s)
-        if not admission.store.one_node:
-            # On a Cluster the heartbeat vouches for its own node alone: a master restarted
-            # empty (same address, no failover: `moves` unchanged) that holds accounts' keys
-            # but not gw:replicas lost them unseen. Every account at every round there.
-            self.keeps = AccountKeeps(1)
+        # On a Cluster the heartbeat vouches for its own node alone: a master restarted empty
+        # (same address, no failover: `moves` unchanged) that holds accounts' keys but not
+        # gw:replicas lost them unseen. Every account at every round there.
+        self.keeps = (
+            AccountKeeps.of(admission.timing.lease_ttl_ms, interval_s)
+            if admission.store.one_node
+            else AccountKeeps(1)
+        )
         self._moves = 0  # the store's moves to another master seen
 
     def batch(self, number: int) -> Batch:

@@ -131,8 +131,7 @@ class Holdings:
         not answered yet, and waiters woken whose request has not taken its lease yet."""
         found: dict[str, list[str]] = defaultdict(list)
         for lease_id, model in self.acquiring.items():
-            if lease_id not in self.held:
-                found[model].append(lease_id)
+            found[model].append(lease_id)  # (never held yet: taken out before it is)
         for waiter_id, waiter in self.waiters.items():
             # (Once each: a waiter registers before its acquire leaves, so it may be woken
             # before that acquire is answered; its one lease counted twice would make this

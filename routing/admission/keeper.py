@@ -89,7 +89,7 @@ class Keeper:
     # Which accounts' entries each round keeps (not all at every round), and how.
     _accounts: AccountKeeper | None = None
     # A heartbeat was answered: one that finds this replica gone means Redis lost it.
-    _beaten: bool = False
+    _heartbeat_answered: bool = False
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,9 +231,9 @@ class Keeper:
     def _beat(self, reply: Any) -> None:
         """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
         gone, replicas = reply
-        if int(gone) == 1 and self._beaten and self._accounts is not None:
+        if int(gone) == 1 and self._heartbeat_answered and self._accounts is not None:
             self._accounts.keeps.lost()  # Redis restarted empty, or failed over far behind
-        self._beaten = True
+        self._heartbeat_answered = True
         self.admission.local.saw([text(r) for r in replicas])
 
     def _saw_models(self, found: dict[str, Sweep], now: float) -> None:

@@ -43,8 +43,9 @@ class Timing:
     # (as every lease it holds), or goes back: a grant to a replica that died returns
     # quickly. The wake-up may come just after a sweep left, which takes at most the command
     # timeout (else it fails as an outage); the next starts at most an interval after it
-    # ended and lands within the timeout too: two intervals and two timeouts cover it, one
-    # interval more lets a replica use a wake-up read that late without asking (`trust_ms`).
+    # ended and lands within the timeout too: two intervals and two timeouts cover it; one
+    # interval more makes `trust_ms` (what is left once the next sweep is allowed for) two
+    # intervals, so a wake-up read on time needs no call.
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep.
     waiter_ttl_ms: int

@@ -1,5 +1,7 @@
-"""Review attacks on the accounts' keeps and the local outage shares (routing/admission/
-accountkeeps.py, keeper.py, holdings.py), against the run's Redis."""
+"""The keeper's rounds across replicas and faults, for what tests/routing/test_keeper.py
+does not cover: the accounts' keeps when sweeps run late or a Cluster node restarts empty
+(routing/admission/accountkeeps.py), and the local outage shares when a waiter is woken
+before its acquire is answered (holdings.py `pending_by_model`); against the run's Redis."""
 
 from __future__ import annotations
 
