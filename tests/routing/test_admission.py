@@ -1156,13 +1156,42 @@ async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuil
         await fleet.close()
 
 
-async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
-    fleet: Fleet,
-) -> None:
-    """A replica stopped (SIGSTOP, a long pause) while its waiter was granted a slot by
-    another replica's release: nobody kept the grant, so it went back after the claim time
-    (far shorter than a lease's TTL) and another request took the slot. When the replica
-    resumes and reads the wake-up, its waiter must not run on that endpoint as well."""
+@dataclass
+class StoppedGrant:
+    """A waiter of `waiting` granted a slot while its replica was stopped, the grant gone
+    back after its claim time and the slot taken by `other`; `waiting`'s clock as far on as
+    it was stopped. The wake-up is not read yet."""
+
+    holder: Admission
+    waiting: Admission
+    keeper: Keeper
+    task: asyncio.Task[Admitted]
+    waiter_id: str
+    held: list[Lease]
+    other: Lease
+
+    async def end(self, fleet: Fleet) -> None:
+        """The wake-up read: the waiter runs (or is told its wait timed out), never on an
+        endpoint over its size; then everything goes back."""
+        self.keeper.wake(self.waiter_id, self.held[0].endpoint)
+        try:
+            admitted: Admitted | None = await bounded(self.task)
+        except Limited:
+            admitted = None
+        running = Counter(
+            lease.endpoint
+            for adm in (self.holder, self.waiting)
+            for lease in adm.holdings.held.values()
+        )
+        assert max(running.values()) <= 1, running
+        await release_all(self.holder, [self.held[1], self.other])
+        if admitted is not None:
+            await release_all(self.waiting, [admitted.lease])
+        await bounded(self.waiting.close())
+        await fleet.assert_clean()
+
+
+async def stopped_grant(fleet: Fleet) -> StoppedGrant:
     holder, waiting = await fleet.admission(), await fleet.admission()
     keeper = await fleet.keeper(waiting, listen=False)  # the wake-up is read by hand, late
     sweeper = await fleet.keeper(holder, listen=False)
@@ -1179,25 +1208,22 @@ async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
     await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
     other = await admit(holder, fleet.plan("two"))
     assert other.lease.endpoint == held[0].endpoint
-    # The replica resumes: its clock jumped as far as it was stopped, the wake-up is read.
+    # Its clock jumped as far as it was stopped.
     stopped_s = waiting.timing.claim_ms / 1000
     start = time.monotonic()
     waiting.waiting.clock = lambda: time.monotonic() - start + stopped_s + start
-    keeper.wake(waiter_id, held[0].endpoint)
-    try:
-        admitted = await bounded(task)
-    except Limited:
-        admitted = None
-    running = Counter(
-        lease.endpoint for adm in (holder, waiting) for lease in adm.holdings.held.values()
-    )
-    assert max(running.values()) <= 1, running
-    leases = [held[1], other.lease]
-    await release_all(holder, leases)
-    if admitted is not None:
-        await release_all(waiting, [admitted.lease])
-    await bounded(waiting.close())
-    await fleet.assert_clean()
+    return StoppedGrant(holder, waiting, keeper, task, waiter_id, held, other.lease)
+
+
+async def test_a_wake_up_heard_past_the_claim_time_never_overfills_the_endpoint(
+    fleet: Fleet,
+) -> None:
+    """A replica stopped (SIGSTOP, a long pause) while its waiter was granted a slot by
+    another replica's release: nobody kept the grant, so it went back after the claim time
+    (far shorter than a lease's TTL) and another request took the slot. When the replica
+    resumes and reads the wake-up, its waiter must not run on that endpoint as well."""
+    stopped = await stopped_grant(fleet)
+    await stopped.end(fleet)
 
 
 async def test_a_wake_up_read_after_its_replicas_sweep_queued_the_waiter_again_is_not_trusted(
@@ -1208,41 +1234,10 @@ async def test_a_wake_up_read_after_its_replicas_sweep_queued_the_waiter_again_i
     waiter neither queued nor granted (its grant went back after the claim time) and queues
     it again at its place. It did not find the waiter queued, so it says nothing of the
     grant the wake-up tells of: that one is gone, its slot taken."""
-    holder, waiting = await fleet.admission(), await fleet.admission()
-    keeper = await fleet.keeper(waiting, listen=False)
-    sweeper = await fleet.keeper(holder, listen=False)
-    queued = watch_queued(waiting)
-    held = await fill(fleet, holder, "two", 2)
-    task = asyncio.create_task(admit(waiting, fleet.plan("two"), account="t-w"))
-    waiter_id = await bounded(queued.get())
-    await bounded(holder.release(held[0]))  # granted in Redis while the replica is stopped
-    member = await fleet.member("two", waiter_id)
-    assert member is not None
-    seconds, micros = await fleet.redis.time()
-    past = seconds * 1000 + micros // 1000 - 1000
-    await fleet.redis.zadd("gw:{two}:leases", {member: past}, xx=True)  # its claim time over
-    await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
-    other = await admit(holder, fleet.plan("two"))
-    assert other.lease.endpoint == held[0].endpoint
-    stopped_s = waiting.timing.claim_ms / 1000
-    start = time.monotonic()
-    waiting.waiting.clock = lambda: time.monotonic() - start + stopped_s + start
-    await bounded(keeper.sweep_once())  # the replica resumes: its sweep first
+    stopped = await stopped_grant(fleet)
+    await bounded(stopped.keeper.sweep_once())  # the replica resumes: its sweep first
     assert await fleet.queued("two") == 1  # queued again at its place, as lost
-    keeper.wake(waiter_id, held[0].endpoint)  # then the wake-up is read
-    try:
-        admitted = await bounded(task)
-    except Limited:
-        admitted = None
-    running = Counter(
-        lease.endpoint for adm in (holder, waiting) for lease in adm.holdings.held.values()
-    )
-    assert max(running.values()) <= 1, running
-    await release_all(holder, [held[1], other.lease])
-    if admitted is not None:
-        await release_all(waiting, [admitted.lease])
-    await bounded(waiting.close())
-    await fleet.assert_clean()
+    await stopped.end(fleet)
 
 
 async def test_a_waiter_gone_while_a_sweep_naming_it_is_on_its_way_is_not_queued_again(
