@@ -180,7 +180,8 @@ async def test_an_empty_restart_found_by_a_round_whose_reply_was_lost_has_every_
     """The first round after an empty restart runs in Redis, but its reply never comes (the
     connection dropped, the deadline passed): its heartbeat wrote this replica back, so the
     next one finds it there. The accounts' entries no longer recent must still be written
-    back by that next round (SPEC 4: within one sweep), not when due (a third of the TTL)."""
+    back by that next round (within one sweep, as every loss), not when due (a third of the
+    TTL)."""
     adm = await fleet.admission()
     keeper = keeper_of(fleet, adm)
     lease = (await admit(adm, fleet.plan("two"))).lease
