@@ -45,9 +45,15 @@ PER_CALL = 500
 
 
 class AccountKeeps:
-    def __init__(self, every: int, every_s: float = math.inf) -> None:
+    def __init__(self, every: int, every_s: float = math.inf, lag_ms: int = 0) -> None:
         self.every = max(1, every)
         self.every_s = every_s
+        # How much longer than the lease TTL a keep makes its entries live: an account not
+        # due is not kept while the sweeps keep its leases, up to `every_s` (and a keep's
+        # time on its way) after its last keep. Its entries must outlive those leases: a
+        # replica stopped (SIGSTOP, a stalled loop) longer than the TTL less that lag, not
+        # longer than the TTL, still runs them, and its accounts' limits must count them.
+        self.lag_ms = 0 if self.every == 1 else lag_ms
         self._last: dict[str, int] = {}  # account key -> the round of its last keep
         self._at: dict[str, float] = {}  # account key -> when its last keep left (a clock)
         self._first: dict[str, int] = {}  # entry id -> the round of its first keep
@@ -55,9 +61,11 @@ class AccountKeeps:
         self._again = False  # a keep of the round found entries gone
 
     @classmethod
-    def of(cls, ttl_ms: int, interval_s: float) -> AccountKeeps:
+    def of(cls, ttl_ms: int, interval_s: float, timeout_ms: int = 0) -> AccountKeeps:
         """Kept at least three times within the entries' TTL."""
-        return cls(int(ttl_ms / 1000 / max(interval_s, 0.001) / 3), ttl_ms / 1000 / 3)
+        every_s = ttl_ms / 1000 / 3
+        lag_ms = math.ceil(every_s * 1000) + timeout_ms
+        return cls(int(ttl_ms / 1000 / max(interval_s, 0.001) / 3), every_s, lag_ms)
 
     def due(
         self, entries: Mapping[str, Sequence[str]], round_: int, now: float | None = None
@@ -147,7 +155,9 @@ class AccountKeeper:
         # (same address, no failover: `moves` unchanged) that holds accounts' keys but not
         # gw:replicas lost them unseen. Every account at every round there.
         self.keeps = (
-            AccountKeeps.of(admission.timing.lease_ttl_ms, interval_s)
+            AccountKeeps.of(
+                admission.timing.lease_ttl_ms, interval_s, admission.timing.command_timeout_ms
+            )
             if admission.store.one_node
             else AccountKeeps(1)
         )
@@ -166,7 +176,7 @@ class AccountKeeper:
         per = self._per_call()
         calls: list[Call] = []
         for at in range(0, len(keys), per):
-            args: list[Any] = [adm.timing.lease_ttl_ms]
+            args: list[Any] = [adm.timing.lease_ttl_ms + self.keeps.lag_ms]
             for ids in kept[at : at + per]:
                 args += (len(ids), *ids)
             calls.append(("account_keep", keys[at : at + per], args))

@@ -61,6 +61,8 @@ class Timing:
     # stopped, its loop stalled), the grant may have gone back and another request taken the
     # slot: it asks Redis first (routing/admission/waiting.py `wait`). 0: it always asks.
     trust_ms: int = 0
+    # The longest a Redis call may take before it counts as an outage.
+    command_timeout_ms: int = 0
 
     @classmethod
     def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
@@ -73,6 +75,7 @@ class Timing:
             max(3000, 3 * sweep_ms),
             sweep_ms * 3 // 2 + timeout_ms,
             max(0, claim_ms - sweep_ms - 2 * timeout_ms),
+            timeout_ms,
         )
 
 

@@ -75,6 +75,14 @@ def test_kept_three_times_within_the_ttl() -> None:
     assert AccountKeeps.of(2_000, 1.0).every == 1
 
 
+def test_entries_outlive_the_leases_kept_meanwhile() -> None:
+    """Not due, an account's entries are not kept while the sweeps keep its leases (up to a
+    third of the TTL, and a keep's time on its way): a keep makes them live that much more."""
+    assert AccountKeeps.of(30_000, 1.0, 2_000).lag_ms == 12_000
+    assert AccountKeeps.of(2_000, 1.0, 2_000).lag_ms == 0  # kept at every sweep
+    assert AccountKeeps(1).lag_ms == 0  # a Cluster's
+
+
 def test_an_account_is_due_a_third_of_the_ttl_after_its_last_keep_however_late_the_rounds() -> None:
     """Rounds run late (a slow Redis, a busy loop): `every` of them may outlast the TTL."""
     keeps = AccountKeeps.of(30_000, 1.0)

@@ -1,0 +1,223 @@
+"""A gateway replica stopped (SIGSTOP: a stalled host, a paused container) for longer than
+the claim time but shorter than the lease TTL, then resumed; the guarantees under faults read
+from the workers' own counters and from Redis itself. The leases of what it runs stay in Redis
+all along (the lease TTL has not passed): its requests are still in flight, at the
+workers, and every limit must go on counting them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from routing.admission.slots import Timing
+from tests.e2e import procs
+from tests.e2e.conftest import digest
+from tests.e2e.test_faults import (
+    KEY,
+    KEY_ONE,
+    KEY_TWO,
+    held,
+    leftovers,
+    long_sim,
+    post,
+    until,
+    worker_load,
+)
+from tests.redis_server import RedisServer
+
+LEASE_TTL_S = 6
+COMMAND_TIMEOUT_S = 0.5
+SWEEP_S = min(1.0, LEASE_TTL_S / 4)
+TIMING = Timing.of(LEASE_TTL_S, SWEEP_S, COMMAND_TIMEOUT_S)
+CLAIM_S = TIMING.claim_ms / 1000  # 4 s
+WAITER_TTL_S = TIMING.waiter_ttl_ms / 1000  # 3 s
+SLACK_S = 3.0
+
+
+@dataclass
+class Stopped:
+    redis: RedisServer
+    replicas: list[procs.Proc]
+    worker: procs.Proc  # m: one endpoint of 2 (it would take 8)
+    single: procs.Proc  # q: one endpoint of 1 (it would take 4)
+
+    @property
+    def url(self) -> str:
+        return self.redis.url
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stopped]:
+    tmp: Path = tmp_path_factory.mktemp("stopped")
+    server = RedisServer(tmp).start()
+    started: list[procs.Proc] = []
+    try:
+        worker, single = long_sim(tmp, 8), long_sim(tmp, 4)
+        started += [worker, single]
+        config = f"""
+redis: {{url: "{server.url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: {COMMAND_TIMEOUT_S}}}
+tiers:
+  default: {{queue_timeout_s: 30}}
+models:
+  m: {{endpoints: [{{url: "{worker.url}", max_concurrency: 2, model: m1}}]}}
+  q: {{endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]}}
+  free: {{endpoints: [{{url: "{worker.url}", max_concurrency: 100, model: m1}}]}}
+keys:
+  - {{sha256: "{digest(KEY)}", account: faults-acme}}
+  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
+  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
+"""
+        replicas = [procs.gateway(tmp, config) for _ in range(2)]
+        started += replicas
+        yield Stopped(server, replicas, worker, single)
+    finally:
+        for proc in started:
+            if proc.popen is not None and proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)  # one left stopped by a failed test
+            proc.stop()
+        server.stop()
+
+
+@asynccontextmanager
+async def sigstopped(replica: procs.Proc) -> AsyncIterator[None]:
+    assert replica.popen is not None
+    replica.popen.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        replica.popen.send_signal(signal.SIGCONT)
+
+
+async def redis_ms(fleet: Stopped) -> int:
+    client = aioredis.from_url(fleet.url)
+    try:
+        seconds, micros = await client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+    finally:
+        await client.aclose()
+
+
+async def score(fleet: Stopped, key: str) -> float | None:
+    """The score of `key`'s one member (an expiry), None if it has none."""
+    client = aioredis.from_url(fleet.url)
+    try:
+        found = await client.zrange(key, 0, -1, withscores=True)
+        assert len(found) <= 1, found
+        return float(found[0][1]) if found else None
+    finally:
+        await client.aclose()
+
+
+async def clean(fleet: Stopped) -> None:
+    left: list[str] = []
+
+    async def nothing() -> bool:
+        left[:] = await leftovers(fleet.url, ("m", "q", "free"))
+        return not left
+
+    try:
+        await until(nothing, "Redis to hold nothing", LEASE_TTL_S + SLACK_S)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {left}") from None
+
+
+async def test_an_account_limit_holds_while_its_replica_is_stopped(stopped: Stopped) -> None:
+    """faults-one (max 1) runs a stream on B; B is stopped right after a sweep that kept the
+    stream's lease but not its account's entries (not due). Until the lease expires the
+    stream runs at the worker and m counts it: A must refuse faults-one a second request
+    all along, the last moment before the lease's end included."""
+    a, b = stopped.replicas
+    lease_key, acct_key = "gw:{m}:leases", "gw:acct:{faults-one}"
+    async with held(b.url, "m", key=KEY_ONE, rid="stopped-one-stream"):
+        seen: list[tuple[float | None, float | None]] = []
+
+        async def lease_kept_alone() -> bool:
+            seen.append((await score(stopped, lease_key), await score(stopped, acct_key)))
+            if len(seen) < 2:
+                return False
+            (lease_was, entry_was), (lease, entry) = seen[-2:]
+            return lease != lease_was and entry == entry_was
+
+        await until(lease_kept_alone, "a sweep keeping the lease alone", 3 * LEASE_TTL_S)
+        async with sigstopped(b):
+            lease, entry = await score(stopped, lease_key), await score(stopped, acct_key)
+            assert lease is not None and lease == seen[-1][0], (lease, seen[-1])
+            # The condition under test is time passing: to 300 ms before the lease's end.
+            await asyncio.sleep(max(0.0, (lease - await redis_ms(stopped) - 300) / 1000))
+            running = worker_load(stopped.worker)["vllm:num_requests_running"]
+            answer = await post(a.url, "free", key=KEY_ONE, fail_fast=True)
+            left = lease - await redis_ms(stopped)
+        print(f"lease {lease}, entry {entry}; A answered {answer.status_code}, {left:.0f} ms left")
+        assert left > 0 and running == 1, (left, running)
+        assert answer.status_code == 429, (
+            f"faults-one (max 1) admitted a second request while its first still ran on the "
+            f"stopped replica (lease {lease}, entry {entry}): {answer.text}"
+        )
+    await clean(stopped)
+
+
+async def test_a_stopped_replicas_waiter_never_runs_over_the_capacity(stopped: Stopped) -> None:
+    """q (capacity 1): a stream held on A, then a waiter of faults-two on B, then one of
+    faults-one on A. B is stopped; the stream ends, q's slot is granted to B's waiter and
+    goes back after the claim time to A's waiter, which runs. B resumes: its waiter must not
+    run next to A's (q's worker's own peak stays 1), and is served once A's ends."""
+    a, b = stopped.replicas
+    flowing, stop = asyncio.Event(), asyncio.Event()
+
+    async def second() -> None:
+        async with held(a.url, "q", key=KEY_ONE):
+            flowing.set()
+            await stop.wait()
+
+    queue = "gw:{q}:queue"
+    client = aioredis.from_url(stopped.url)
+    late = second_task = None
+    try:
+        async with held(a.url, "q"):
+            late = asyncio.create_task(post(b.url, "q", key=KEY_TWO))
+            await until(lambda: _zcard(client, queue, 1), "B's waiter", 5)
+            second_task = asyncio.create_task(second())
+            await until(lambda: _zcard(client, queue, 2), "A's waiter", 5)
+            b.popen.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            started = time.monotonic()
+            await asyncio.wait_for(flowing.wait(), CLAIM_S + WAITER_TTL_S + SLACK_S)
+            took = time.monotonic() - started
+            await asyncio.sleep(0.5)  # the condition under test: B stopped a little longer
+        finally:
+            b.popen.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        # B's sweeps and its stale wake-up run now; give them a few sweeps.
+        await asyncio.sleep(3 * SWEEP_S)
+        peak = worker_load(stopped.single)["sim:peak_requests_running"]
+        assert peak <= 1, f"q's worker ran {peak} (capacity 1)"
+        # Its grant lost, B's waiter is answered as a wait that timed out, or queues on.
+        if late.done():
+            answer = late.result()
+            assert answer.status_code == 429, answer.text
+            assert answer.json()["error"]["code"] == "queue_timeout", answer.text
+        stop.set()
+        await second_task
+        answer = await asyncio.wait_for(late, 20)
+        assert answer.status_code in (200, 429), answer.text
+        print(f"A's waiter ran {took:.2f}s after B stopped; B's waiter: {answer.status_code}")
+    finally:
+        stop.set()
+        await client.aclose()
+        for task in (late, second_task):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+    assert worker_load(stopped.single)["sim:peak_requests_running"] <= 1
+    await clean(stopped)
+
+
+async def _zcard(client: object, key: str, count: int) -> bool:
+    return int(await client.zcard(key)) == count  # type: ignore[attr-defined]
