@@ -136,7 +136,7 @@ for j = 1, #members do
 end
 set_scores(LEASES, keep)
 at = at + 2 * n + 1
-local granted, requeued, again = {}, 0, {}
+local granted, requeued = {}, {}
 -- This replica's leases: every one it sent is held now (kept, or written back).
 local mine = n
 -- Once Redis lost the model's state a waiter not queued holds no lease either: it is not
@@ -166,8 +166,7 @@ for j, id in ipairs(ids) do
   else
     -- Lost: back at its place.
     granted[j] = ''
-    requeued = requeued + 1
-    again[requeued] = id
+    requeued[#requeued + 1] = id
     place = ARGV[at + 2 * j]
     local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
     enqueue(id, rank, score(seq))
@@ -176,7 +175,7 @@ for j, id in ipairs(ids) do
   end
 end
 set_scores(QEXP, keep)
-if #restored + requeued > 0 and not rebuilding() then
+if #restored + #requeued > 0 and not rebuilding() then
   open_window(ARGV[tail])
 end
 wide()
@@ -207,7 +206,7 @@ if np > 0 and np * #endpoint_urls() <= PENDING_CHECKS then
     end
   end
 end
-waiting = waiting or requeued > 0
+waiting = waiting or #requeued > 0
 mend_waits(waiting)
 if waiting then
   rescore_fair(fair)
@@ -242,4 +241,4 @@ end
 for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
-return {state, restored, granted, mine, again}
+return {state, restored, granted, mine, requeued}
