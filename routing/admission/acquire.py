@@ -18,7 +18,8 @@ from routing.admission import refusals
 from routing.admission.handback import Handback
 from routing.admission.ratelimit import RateCharge, RateLimits, Rates
 from routing.admission.replies import Attempt, attempt
-from routing.admission.slots import ACCOUNT_FULL, BUSY, GRANTED, NO_INDEX, PREFERRED, QUEUED, Timing
+from routing.admission.slots import ACCOUNT_FULL, BUSY, GRANTED, NO_INDEX, PREFERRED, QUEUED
+from routing.admission.timing import Timing
 from routing.admission.waiting import Waiting
 from routing.errors import Limited
 from routing.store.scripts import first_error

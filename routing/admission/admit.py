@@ -46,10 +46,10 @@ from routing.admission.slots import (
     RANK,
     EndpointSpec,
     ModelSlots,
-    Timing,
     account_key,
     make_lease_id,
 )
+from routing.admission.timing import Timing
 from routing.admission.tokens import TokenAsk, reservation, too_large
 from routing.admission.waiting import Waiting
 from routing.errors import RoutingError, TooLarge, Unavailable, UnavailableReason

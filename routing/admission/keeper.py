@@ -1,13 +1,16 @@
 """Each replica's background work for admission (each loop through routing/background.py,
 so no error ever ends one for good).
 
-- One pub/sub subscription wakes this replica's waiters by id (no polling loops).
+- One pub/sub subscription wakes this replica's waiters by id (no polling loops:
+  routing/admission/wakeups.py).
 - A sweep about every second, one round trip for all models: reclaims expired leases and
   dead replicas' waiters and hands their slots on; keeps alive, or writes back when Redis
-  lost them, everything this replica holds (leases, account entries, queued waiters at
-  their original place); claims grants whose wake-up was lost; forgets ids whose state is
-  in doubt; says this replica is alive; and reads each model's in-flight and queue depth
-  for metrics and the rate of freed slots for Retry-After.
+  lost them, everything this replica holds (leases, account entries); says this replica is
+  alive in each model (so its waiters stay queued); forgets ids whose state is in doubt;
+  and reads each model's in-flight and queue depth for metrics and the rate of freed slots
+  for Retry-After. It names this replica's waiters (each queued again at its original
+  place if Redis lost it, its grant claimed if its wake-up was lost) only when they may
+  have been lost (`_naming`), and every NAME_EVERY rounds: a waiter costs nothing between.
 - A spool round (about a second, its own loop) sends spooled usage records, adopts those
   of gone processes, and trims the stream (routing/ledger/records.py).
 """
@@ -15,7 +18,6 @@ so no error ever ends one for good).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +28,12 @@ import redis.asyncio as aioredis
 from routing.admission.accountkeeps import AccountKeeper, Batch
 from routing.admission.admit import Admission
 from routing.admission.replies import ModelState, Sweep, sweep_result
+from routing.admission.reserved import RESERVED_EVERY, ReservedTokens
+from routing.admission.timing import NAME_EVERY
+from routing.admission.wakeups import Wakeups
 from routing.background import BackgroundErrors, every
 from routing.ledger.spool import UsageSpool
-from routing.store.scripts import STORE_ERRORS, Call, first_error
+from routing.store.scripts import Call, first_error
 from routing.store.wire import text
 
 log = logging.getLogger("gateway.admission")
@@ -40,9 +45,6 @@ REPLICAS_KEY = "gw:replicas"
 SUBSCRIPTION_BACKOFF_S = 10.0
 # A spool round longer than this (a stalled Redis) is cut; what it did not send stays spooled.
 SPOOL_ROUND_S = 30.0
-# The tokens reserved on each endpoint with a budget are read for the metrics every this
-# many sweeps: one HGETALL per model with budgets (O(its endpoints)), not per request.
-RESERVED_EVERY = 5
 
 
 @dataclass
@@ -65,6 +67,8 @@ class _Round:
     sent: float = 0.0
     # The accounts' keeps (their calls follow the heartbeat).
     accounts: Batch | None = None
+    # The partitions whose sweep found Redis did not know this replica alive there.
+    unknown: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -77,19 +81,31 @@ class Keeper:
     # A sweep round longer than this is cut (and counted): it never waits on a stall.
     round_timeout_s: float | None = 5.0
     states: dict[str, ModelState] = field(default_factory=dict)
-    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them; an
-    # endpoint no longer configured leaves once it reads 0 (`_saw_reserved`).
-    reserved: dict[tuple[str, str], int] = field(default_factory=dict)
-    # The partitions whose last read found tokens reserved (read until none are).
-    _reserving: set[str] = field(default_factory=set)
+    # Tokens reserved per (model, endpoint) with a budget, as a recent sweep read them.
+    tokens: ReservedTokens = field(init=False)
     _rounds: int = 0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
     _moves: int = 0
+    _named_moves: int = 0
     # Which accounts' entries each round keeps (not all at every round), and how.
     _accounts: AccountKeeper | None = None
     # A heartbeat was answered: one that finds this replica gone means Redis lost it.
     _heartbeat_answered: bool = False
+    # Wake-ups by message, and how many times their subscription started that the sweeps
+    # have answered (`_naming`).
+    wakeups: Wakeups = field(init=False)
+    _gaps: int = 0
+    # The next this many rounds name every waiter (a round failed: Redis may have lost them).
+    _name_next: int = 0
+
+    def __post_init__(self) -> None:
+        self.wakeups = Wakeups(self.admission.waiting, self.admission.preemptions)
+        self.tokens = ReservedTokens(self.admission)
+
+    @property
+    def reserved(self) -> dict[tuple[str, str], int]:
+        return self.tokens.reserved
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -125,6 +141,7 @@ class Keeper:
         try:
             replies = await self.admission.scripts.send(self.admission.store, work.calls)
         except BaseException:
+            self._name_next = max(self._name_next, 1)  # Redis may have lost waiters unseen
             for model in work.indexed:  # its index writes may not have landed
                 self.admission.slots[model].rewrite()
             if self._accounts is not None:
@@ -135,6 +152,8 @@ class Keeper:
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error
+        if work.unknown:
+            await self._name_now(work.unknown)
         if self._accounts is not None and self._accounts.keeps.wants_all():
             # Redis lost this replica (its heartbeat just found it gone), a keep found
             # entries gone, or the store moved: every account now, not at the next round
@@ -151,7 +170,7 @@ class Keeper:
         holdings = adm.holdings
         models = list(adm.slots)
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
-        waiters = holdings.waiters_by_model()
+        waiters = holdings.waiters_by_model() if self._naming() else {}
         calls = [*indexes.values(), *self._sweeps(models, waiters)]
         calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
@@ -165,7 +184,7 @@ class Keeper:
         orphan_calls = [adm.slots[m].release(ids) for m, ids in orphan_models.items()]
         orphan_calls += [("ZREM", [key], ids) for key, ids in orphan_accounts.items()]
         self._rounds += 1
-        reserved = self._reads(models) if self._rounds % RESERVED_EVERY == 1 else []
+        reserved = self.tokens.reads(models) if self._rounds % RESERVED_EVERY == 1 else []
         reads: list[Call] = [("HGETALL", [adm.slots[m].reserved_key], []) for m in reserved]
         return _Round(
             calls + orphan_calls + reads,
@@ -187,10 +206,51 @@ class Keeper:
         lease not held here yet (counted as its own if they do: the local outage shares)."""
         holdings, slots = self.admission.holdings, self.admission.slots
         leases, pending = holdings.leases_by_model(), holdings.pending_by_model()
+        replica = self.admission.replica_id
         return [
-            slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []))
+            slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []), replica)
             for m in models
         ]
+
+    def _naming(self) -> bool:
+        """Whether this round names every waiter: every NAME_EVERY rounds (a subscription
+        broken unseen loses wake-ups; their `qexp` backup is renewed), after a round that
+        failed, after the subscription started (again), and after the store moved to
+        another master (each may have lost waiters or their wake-ups)."""
+        gaps, moves = self.wakeups.gaps, self.admission.store.moves or 0
+        name = (self._rounds % NAME_EVERY == 0 or self._name_next > 0 or gaps != self._gaps
+                or moves != self._named_moves)  # fmt: skip
+        if gaps != self._gaps:
+            # One round more: a grant published before the subscription was made in
+            # Redis may come after the round's sweep ran.
+            self._name_next = max(self._name_next, 2)
+        if moves != self._named_moves:
+            self.wakeups.moved()
+        self._gaps, self._named_moves = gaps, moves
+        self._name_next = max(0, self._name_next - 1)
+        return name
+
+    async def _name_now(self, parts: Sequence[str]) -> None:
+        """Redis did not know this replica alive in these partitions (it lost them, or
+        their waiters left while the replica was away): its waiters there named now, not
+        at a later round (grants pause meanwhile where Redis lost the model: the rebuild
+        window)."""
+        waiters = self.admission.holdings.waiters_by_model()
+        named = [p for p in parts if waiters.get(p)]
+        if not named:
+            return
+        sent = self.admission.waiting.clock()
+        calls = self._sweeps(named, waiters)
+        self._name_next = max(self._name_next, 1)  # again next round, unless answered
+        replies = await self.admission.scripts.send(self.admission.store, calls)
+        ids = {p: [waiter_id for waiter_id, _ in waiters[p]] for p in named}
+        work = _Round([], named, ids, [], 0, [], sent=sent)
+        for part, reply in zip(named, replies, strict=True):
+            if not isinstance(reply, Exception):
+                self._swept(part, work, sweep_result(reply))
+        if (error := first_error(replies)) is not None:
+            raise error
+        self._name_next = 0
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
         adm = self.admission
@@ -202,14 +262,10 @@ class Keeper:
         for part, reply in zip(work.models, replies, strict=False):
             if isinstance(reply, Exception):
                 continue
-            found = sweep_result(reply)
-            slots = adm.slots[part]
-            slots.known = True
-            slots.saw(found.state.version)
-            slots.seen_queue = found.state.queued
-            found_parts[part] = found
-            adm.handback.recheck(found.restored, part)
-            self._waiters(part, work, found)
+            found_parts[part] = found = sweep_result(reply)
+            self._swept(part, work, found)
+            if found.name and part not in work.waiters:
+                work.unknown.append(part)
         self._saw_models(found_parts, now)
         at = len(work.models)
         if not isinstance(replies[at], Exception):
@@ -226,7 +282,18 @@ class Keeper:
             adm.holdings.forgotten(work.orphans)
         for part, reply in zip(work.reserved, reads, strict=True):
             if not isinstance(reply, Exception):
-                self._saw_reserved(part, reply)
+                self.tokens.saw(part, reply)
+
+    def _swept(self, part: str, work: _Round, found: Sweep) -> None:
+        """What a partition's sweep found: the model's state, leases written back, and the
+        waiters it named."""
+        slots = self.admission.slots[part]
+        slots.known = True
+        slots.saw(found.state.version)
+        slots.seen_queue = found.state.queued
+        self.wakeups.saw_clock(slots.channel, work.sent, found.clock_ms)
+        self.admission.handback.recheck(found.restored, part)
+        self._waiters(part, work, found)
 
     def _beat(self, reply: Any) -> None:
         """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
@@ -251,46 +318,6 @@ class Keeper:
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
 
-    def _reads(self, models: Sequence[str]) -> list[str]:
-        """The partitions whose reserved tokens a round reads: those with a budget, those
-        whose last read found reservations (what an endpoint out of rotation held ends),
-        and those of endpoints a reload took away (read until they leave `reserved`)."""
-        layout = self.admission.layout
-        gone = {layout.part_of.get(p, p[0]) for p in self.reserved if p not in layout.configured}
-        return [
-            m
-            for m in models
-            if self.admission.slots[m].budgeted or m in self._reserving or m in gone
-        ]
-
-    def _saw_reserved(self, part: str, reply: Any) -> None:
-        """A partition's tokens reserved per endpoint, for the endpoints this replica knows
-        (a metric's label values come from its config, never from Redis): those in rotation
-        and those told before (out of rotation, or gone with a reload, their leases end);
-        one gone from the config leaves once nothing is reserved there."""
-        adm = self.admission
-        model = adm.model_of.get(part, part)
-        known = set(adm.slots[part].urls)
-        known.update(
-            url
-            for m, url in self.reserved
-            if m == model and adm.layout.part_of.get((m, url), part) == part
-        )
-        found = (
-            dict(zip(reply[::2], reply[1::2], strict=True)) if isinstance(reply, list) else reply
-        )
-        values = {text(url): int(tokens) for url, tokens in found.items()}
-        for url in known:
-            tokens = values.get(url, 0)
-            if tokens or (model, url) in adm.layout.configured:
-                self.reserved[model, url] = tokens
-            else:  # gone from the config, nothing reserved there: no longer shown
-                self.reserved.pop((model, url), None)
-        if any(values.get(url, 0) for url in known):
-            self._reserving.add(part)
-        else:
-            self._reserving.discard(part)
-
     def _waiters(self, part: str, work: _Round, found: Sweep) -> None:
         """The waiters the sweep named: kept from when it left (found queued, or granted
         and kept for the lease's TTL; not those it queued again as lost: a wake-up read
@@ -313,9 +340,7 @@ class Keeper:
         self.admission.handback.give_back(waiter_id, part, None, endpoint)
 
     def wake(self, waiter_id: str, endpoint: str) -> None:
-        waiter = self.admission.holdings.waiters.get(waiter_id)
-        if waiter is not None and not waiter.future.done():
-            waiter.future.set_result(endpoint)
+        self.wakeups.wake(waiter_id, endpoint)
 
     async def _tend_spool(self) -> None:
         adm = self.admission
@@ -349,26 +374,7 @@ class Keeper:
     async def _listen(self) -> None:
         """One subscription until it breaks (then `every` counts the error and resubscribes)."""
         channels = [s.channel for s in self.admission.slots.values()]
-        pubsub = self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(*channels)
-            while True:
-                message = await pubsub.get_message(timeout=5.0)
-                if message is not None:
-                    self._on_message(message)
-        finally:
-            # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_close_quietly(pubsub), 1.0)
-
-    def _on_message(self, message: dict[str, Any]) -> None:
-        data = text(message.get("data"))
-        if data.startswith("!"):  # a lease preempted (routing/admission/preemption.py)
-            self.admission.preemptions.told(data[1:].partition(" ")[0])
-            return
-        waiter_id, _, endpoint = data.partition(" ")
-        if endpoint:
-            self.wake(waiter_id, endpoint)
+        await self.wakeups.listen(self.pubsub_redis, channels)
 
 
 def _summed(states: Sequence[ModelState]) -> ModelState:
@@ -376,8 +382,3 @@ def _summed(states: Sequence[ModelState]) -> ModelState:
     queued = {t: sum(s.queued.get(t, 0) for s in states) for t in states[0].queued}
     freed = sum(s.freed for s in states)
     return ModelState(sum(s.inflight for s in states), queued, freed, states[0].version)
-
-
-async def _close_quietly(pubsub: Any) -> None:
-    with contextlib.suppress(*STORE_ERRORS):
-        await pubsub.aclose()

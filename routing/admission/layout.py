@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from routing.admission.partitions import Rotation, partition_names, split
-from routing.admission.slots import EndpointSpec, ModelSlots, Timing
+from routing.admission.slots import EndpointSpec, ModelSlots
+from routing.admission.timing import Timing
 from routing.registry import EndpointConfig, Model, Registry
 from tiers.policy import Tier, TiersConfig
 

@@ -58,6 +58,11 @@ class Sweep:
     # The waiters sent that it found neither queued nor granted and queued again at their
     # place: a grant they had is gone (its claim time passed, Redis lost it).
     requeued: list[str] = field(default_factory=list)
+    # Redis did not know this replica alive in the model: its waiters are to be named now
+    # (it restarted empty, failed over, or they left the queue while the replica was away).
+    name: bool = False
+    # Redis's clock when the sweep ran, in ms (0: not said): how old a wake-up is.
+    clock_ms: int = 0
 
 
 def attempt(reply: Any) -> Attempt:
@@ -83,4 +88,5 @@ def sweep_result(reply: Sequence[Any]) -> Sweep:
         [text(x) for x in reply[2]],
         int(reply[3]),
         [text(x) for x in reply[4]],
+        *((int(reply[5][0]) == 1, int(reply[5][1])) if len(reply) > 5 else ()),
     )

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from routing.admission.affinity import Ring
+from routing.admission.timing import Timing
 from routing.store.scripts import Call
 from tiers.policy import BY_RANK, Tier
 
@@ -34,51 +34,6 @@ def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> 
     return f"{prefix}~{weight:g}~{digest}"
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """How long Redis keeps what a replica holds without hearing from it."""
-
-    lease_ttl_ms: int
-    # A slot granted to a waiter lasts this long until its replica's next sweep keeps it
-    # (as every lease it holds), or goes back: a grant to a replica that died returns
-    # quickly. The wake-up may come just after a sweep left, which takes at most the command
-    # timeout (else it fails as an outage); the next starts at most an interval after it
-    # ended and lands within the timeout too: two intervals and two timeouts cover it; one
-    # interval more makes `trust_ms` (what is left once the next sweep is allowed for) two
-    # intervals, so a wake-up read on time needs no call.
-    claim_ms: int
-    # A waiter stays queued this long past its replica's last sweep.
-    waiter_ttl_ms: int
-    # Once Redis is found to have lost a model's state, grants pause this long: every
-    # replica's next sweep (and write-back) lands within it. A sweep starts at most an
-    # interval after the last one ended and takes at most the command timeout (else it
-    # fails as an outage): a slow Redis delays write-backs by its round trip.
-    rebuild_ms: int = 1500
-    # A woken waiter uses its grant without asking Redis while its wake-up is read within
-    # this long of the last call that found it queued (`Waiter.kept`): its replica's next
-    # sweep (one already on its way may not name it: at most a timeout, an interval, and a
-    # timeout again) keeps the grant before its claim time ends. Later (its replica was
-    # stopped, its loop stalled), the grant may have gone back and another request taken the
-    # slot: it asks Redis first (routing/admission/waiting.py `wait`). 0: it always asks.
-    trust_ms: int = 0
-    # The longest a Redis call may take before it counts as an outage.
-    command_timeout_ms: int = 0
-
-    @classmethod
-    def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
-        sweep_ms = int(sweep_interval_s * 1000)
-        timeout_ms = int(command_timeout_s * 1000)
-        claim_ms = max(3000, 3 * sweep_ms + 2 * timeout_ms)
-        return cls(
-            int(lease_ttl_s * 1000),
-            claim_ms,
-            max(3000, 3 * sweep_ms),
-            sweep_ms * 3 // 2 + timeout_ms,
-            max(0, claim_ms - sweep_ms - 2 * timeout_ms),
-            timeout_ms,
-        )
-
-
 def account_key(account: str) -> str:
     return "gw:acct:{" + account + "}"
 
@@ -86,7 +41,7 @@ def account_key(account: str) -> str:
 # A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.
 _MODEL_KEYS = (
     "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
-    "ep_tok", "pre", "doomed",
+    "ep_tok", "pre", "doomed", "alive", "gone",
 )  # fmt: skip
 # How each tier shares a model's slots among waiting accounts (`tiers.<tier>.fairness`), as
 # the scripts spell it (prelude.lua `parse_spec`).
@@ -291,7 +246,7 @@ class ModelSlots:
         t = self._timing
         role = self._roles[tier.rank]
         packed = (
-            f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
+            f"{int(may_wait)} {self.max_queue} {t.hold_ms} {int(self.known)} {t.rebuild_ms} "
             f"{'-' if max_turn is None else max_turn} {int(at_head)} {int(role == 'p')} "
             + self._pump_spec
         )
@@ -332,12 +287,15 @@ class ModelSlots:
         leases: Sequence[tuple[str, str]],
         waiters: Sequence[tuple[str, int]],
         pending: Sequence[str] = (),
+        replica: str = "",
     ) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
-        it has queued (id, place), and `pending` ids that may hold a lease it does not
-        hold yet (counted as its own if they do: `Sweep.mine`)."""
+        it has queued (id, place) when it names them (not at every sweep: `Sweep.name`),
+        and `pending` ids that may hold a lease it does not hold yet (counted as its own if
+        they do: `Sweep.mine`). `replica`: its id, kept alive in the model (its waiters stay
+        queued while it is: prelude.lua `bury`); '' for none (every waiter named)."""
         t = self._timing
-        args: list[Any] = [t.lease_ttl_ms, t.waiter_ttl_ms, self._pump_spec, len(leases)]
+        args: list[Any] = [t.lease_ttl_ms, t.hold_ms, self._pump_spec, len(leases)]
         for pair in leases:
             args += pair
         args.append(len(waiters))
@@ -347,6 +305,8 @@ class ModelSlots:
         recheck = self._recheck()
         args += (len(recheck), *recheck)
         args += (len(pending), *pending)
+        if replica:
+            args += (replica, t.waiter_ttl_ms)
         return ("sweep", self._key, args)
 
     def _recheck(self) -> list[str]:

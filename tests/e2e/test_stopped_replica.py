@@ -20,7 +20,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import Timing
+from routing.admission.timing import Timing
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import (

@@ -20,7 +20,8 @@ from redis.crc import key_slot
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission, Admitted, Lease
 from routing.admission.partitions import Rotation, partition_names, partition_of, split
-from routing.admission.slots import ModelSlots, Timing
+from routing.admission.slots import ModelSlots
+from routing.admission.timing import Timing
 from routing.registry import EndpointConfig, ModelConfig, Registry
 from routing.store.connect import RedisPyStore, connect
 from tests.redis_cluster import RedisCluster

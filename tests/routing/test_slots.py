@@ -4,6 +4,7 @@ sweep's write-back of what Redis lost, claim times, and batches after a script f
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -146,8 +147,9 @@ class Model:
         assert await self.client.zadd(self.slots.keys[0], {member: 1}, xx=True, ch=True) == 1
 
 
-async def next_message(pubsub: Any) -> str:
-    """The next published message's data (subscribe confirmations skipped)."""
+async def next_message(pubsub: Any, *, timed: bool = False) -> str:
+    """The next published message's data (subscribe confirmations skipped); a grant's
+    time ("@<ms> ", Redis's clock) taken off unless `timed`."""
 
     async def read() -> str:
         while True:
@@ -155,7 +157,8 @@ async def next_message(pubsub: Any) -> str:
             if message is not None:
                 return text(message["data"])
 
-    return await asyncio.wait_for(read(), 5)
+    data = await asyncio.wait_for(read(), 5)
+    return data if timed else re.sub(r"^@\d+ ", "", data)
 
 
 @pytest.fixture(params=["real", "fake"])
@@ -279,7 +282,10 @@ async def test_queue_order_by_tier_then_arrival_and_grants_published(
         assert await m.queue() == ["B", "A", "C"]
 
         assert await m.release("l1") == 1
-        assert await next_message(pubsub) == f"B {first}"
+        when, _, grant = (await next_message(pubsub, timed=True)).partition(" ")
+        assert grant == f"B {first}"  # said with when, by Redis's clock
+        seconds, _ = await real_redis.time()
+        assert abs(int(when[1:]) - seconds * 1000) < 60_000
         assert await m.release("l2") == 1
         assert await next_message(pubsub) == f"A {second}"
         assert await m.release("B") == 1

@@ -76,7 +76,7 @@ local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 -- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
 -- else each as a script that binds its own KEYS first.
 local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, EP_TOK, QEXP, EPS, FREE, ACCOUNT, PRE, DOOMED
-local SEQ, REBUILD, CHANNEL, HELD
+local SEQ, REBUILD, CHANNEL, HELD, ALIVE, GONE
 -- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
 -- pick in the same call answers without a call (a full model's acquire picks twice).
 -- `clock`: Redis's TIME. `waits`: the waiters per tier (prelude's rest: `waiting_counts`).
@@ -107,7 +107,7 @@ local function bind(keys)
     QEXP = BASE .. 'qexp'
     EPS, FREE = BASE .. 'eps', BASE .. 'free'
     SEQ, REBUILD, CHANNEL = BASE .. 'seq', BASE .. 'rebuild', BASE .. 'wake'
-    HELD = BASE .. 'held'
+    HELD, ALIVE, GONE = BASE .. 'held', BASE .. 'alive', BASE .. 'gone'
   end
   -- On one Redis, acquire and release may be given an account's key after the model's
   -- leases (on a Cluster they are given every key of the model, routing/admission/slots.py
@@ -712,6 +712,42 @@ local function reclaim(now)
   redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone)
 end
 
+-- The most entries of the queue one call looks through for dead replicas' waiters (`bury`):
+-- about 2 ms; a longer queue is looked through over several calls.
+local BURY_SCAN = 5000
+
+-- The waiters of replicas whose sweeps stopped leave the queue. `alive`: replica -> when
+-- the liveness its last sweep of the model gave its waiters ends (so a waiter costs its
+-- replica's sweeps nothing while it waits: `qexp` only backs it up, over several sweeps);
+-- `gone`: replica -> the place the look through the queue for its waiters has reached.
+-- Rare (a replica died, or was stopped for longer than the waiter TTL): O(queue) once, at
+-- most BURY_SCAN a call. A waiter's id starts with its replica's ("<replica>-<n>~").
+local function bury(now, waiting, me)
+  local dead = redis.call('ZRANGEBYSCORE', ALIVE, '-inf', now)
+  local budget = BURY_SCAN
+  for _, r in ipairs(dead) do
+    if r ~= me and budget > 0 then
+      local from = waiting ~= false and redis.call('HGET', GONE, r)
+      local found = waiting == false and {} or redis.call('ZRANGEBYSCORE', QUEUE,
+        from and '(' .. from or '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, budget)
+      local prefix = r .. '-'
+      for i = 1, #found, 2 do
+        local id = found[i]
+        if string.sub(id, 1, #prefix) == prefix and string.find(id, '^%d+~', #prefix + 1) then
+          unqueue(id, found[i + 1])
+        end
+      end
+      if #found < 2 * budget then
+        redis.call('ZREM', ALIVE, r)
+        redis.call('HDEL', GONE, r)
+      else
+        redis.call('HSET', GONE, r, found[#found])
+      end
+      budget = budget - #found / 2
+    end
+  end
+end
+
 -- Reclaim leases whose holder stopped refreshing them, and waiters whose replica stopped
 -- keeping them alive. Its first write (ZREMRANGEBYSCORE) frees memory and is not `denyoom`:
 -- Redis lets a script that has begun writing finish even at maxmemory with noeviction, so
@@ -722,12 +758,14 @@ end
 -- find the model full only reclaims leases (`reclaim`); a release reclaims nothing (the
 -- sweeps do, within a second).
 -- `waiting` false: the caller found the queue empty, so no late waiter needs to leave it.
-local function expire(now, waiting)
+-- `me`: the replica sweeping, whose own waiters stay (it is alive: it sweeps now).
+local function expire(now, waiting, me)
   local late = {}
   if waiting ~= false then late = redis.call('ZRANGEBYSCORE', QEXP, '-inf', now) end
   redis.call('ZREMRANGEBYSCORE', QEXP, '-inf', now)
   for _, id in ipairs(late) do unqueue(id) end
   reclaim(now)
+  bury(now, waiting, me)
 end
 
 -- The waiter of the best tier that may take a slot now (a `fair_head` record, or {id, place,
@@ -815,7 +853,10 @@ local function grant_head(head, ep, claim_until)
   local m = id .. ' ' .. ep
   redis.call('ZADD', LEASES, claim_until, m)
   if roles and roles[head.rank + 1] == 'v' then redis.call('ZADD', PRE, now_ms(), m) end
-  redis.call('PUBLISH', CHANNEL, m)
+  -- Said with when (Redis's clock): its replica trusts it without asking Redis if it reads
+  -- it well within the claim time ("@<ms> id endpoint"; a replica of an older release
+  -- finds no waiter of that id, and its sweep claims the grant).
+  redis.call('PUBLISH', CHANNEL, '@' .. now_ms() .. ' ' .. m)
 end
 
 -- A newcomer of tier `rank`, which may preempt, is about to queue: a lease of a tier that

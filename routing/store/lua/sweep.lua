@@ -1,24 +1,31 @@
 -- Each replica's sweep of one model (about every second):
 --  1. reclaim expired leases and dead replicas' waiters;
 --  2. keep this replica's leases (written back if Redis lost them);
---  3. keep its waiters alive in the queue, re-queue those Redis lost (original place), and
---     claim those granted meanwhile (a wake-up message may have been lost);
+--  3. say this replica is alive (its waiters stay queued while it is: `alive`, prelude
+--     `bury`); when it names its waiters (not at every sweep: when Redis may have lost them
+--     or their wake-ups), re-queue those Redis lost (original place), and claim those
+--     granted meanwhile (a wake-up message may have been lost);
 --  4. hand free slots on; 5. report the model's state.
--- KEYS: 1 the model's leases (prelude). ARGV: 1 ttl_ms, 2 waiter_ttl_ms, 3 the spec (prelude:
---       `parse_spec`),
+-- KEYS: 1 the model's leases (prelude). ARGV: 1 ttl_ms, 2 how long a named waiter's `qexp`
+--       entry lasts (its backup liveness), 3 the spec (prelude: `parse_spec`),
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
 --       rebuild_ms: how long grants pause once this sweep had to write anything back,
 --       known (0|1: this replica has seen the model's state before), then r and r endpoint
 --       urls whose place in `free` is set again from their count (a few per sweep, in turn:
 --       mends what a replica of an older release changed without `free`, a rolling update),
 --       then p and p ids that may hold a lease this replica does not hold yet (its acquires
---       not answered yet, its waiters woken).
+--       not answered yet, its waiters woken), then this replica's id and how long its
+--       waiters stay queued without its next sweep (the waiter TTL; both absent from a
+--       replica of an older release, whose sweeps name every waiter).
 -- Returns {{inflight, queued per tier (best first), freed so far, the endpoint index's
 --          version or ''}, written-back lease ids, one entry per waiter: its granted
 --          endpoint or '', the leases of this replica among inflight (its leases, kept or
 --          written back, its waiters' grants and the pending ids' leases: read in the same
 --          instant as inflight, for the local outage shares), the waiters queued again at
---          their place as lost (neither queued nor granted: a grant they had is gone)}.
+--          their place as lost (neither queued nor granted: a grant they had is gone),
+--          {1 if this replica's waiters are to be named now (Redis did not know it alive:
+--          it restarted empty, failed over, or the replica was away past the waiter TTL and
+--          its waiters left the queue), Redis's clock in ms (for the wake-ups' times)}}.
 -- Its cost grows with what this replica holds and with the endpoints only while nothing is
 -- held at all (the loads' mend, below), never with the queue of other replicas.
 -- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
@@ -106,7 +113,12 @@ local now = now_ms()
 -- Idle (nobody queued), a sweep skips the queue's work: late waiters, pump, counts per tier.
 local waiting = redis.call('ZCARD', QUEUE) > 0
 local _, claim, ceilings, fair, fracs = spec_of(ARGV[3])
-expire(now, waiting)
+local pending = 4 + 2 * tonumber(ARGV[4]) + 1
+pending = pending + 2 * tonumber(ARGV[pending]) + 3
+pending = pending + (tonumber(ARGV[pending]) or 0) + 1
+local me = ARGV[pending + (tonumber(ARGV[pending]) or 0) + 1]
+local was = me and redis.call('ZSCORE', ALIVE, me)
+expire(now, waiting, me)
 local marker = redis.call('HGET', EP_LOAD, '~s')
 local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local at = 4
@@ -189,7 +201,6 @@ end
 -- for on every endpoint in one call per 1,000 lookups; not at all past PENDING_CHECKS (a
 -- busy replica's thousands of acquires in flight times a thousand endpoints blocked Redis
 -- for seconds): its local share then counts fewer than it holds, never more.
-local pending = recheck + (tonumber(ARGV[recheck]) or 0) + 1
 local np = tonumber(ARGV[pending]) or 0
 if np > 0 and np * #endpoint_urls() <= PENDING_CHECKS then
   local ids, members = {}, {}
@@ -241,4 +252,15 @@ end
 for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
-return {state, restored, granted, mine, requeued}
+-- This replica alive: its waiters stay queued for the waiter TTL from now (and the key a
+-- while longer, then gone with the replicas that stopped). Not known alive (`was`): its
+-- waiters are to be named now (Redis lost them, or `bury` took them out).
+local name = 0
+if me then
+  local wttl = tonumber(ARGV[pending + np + 2])
+  redis.call('ZADD', ALIVE, now + wttl, me)
+  redis.call('HDEL', GONE, me)
+  redis.call('PEXPIRE', ALIVE, 10 * wttl)
+  if not was or tonumber(was) < now or fresh then name = 1 end
+end
+return {state, restored, granted, mine, requeued, {name, now}}

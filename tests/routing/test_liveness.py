@@ -1,0 +1,164 @@
+"""A replica's waiters live by its sweeps' word that it is alive in the model (`alive`,
+prelude.lua `bury`), not by each waiter's own entry kept at every sweep: a waiter costs its
+replica's sweeps nothing while it waits. Against the run's Redis, by the scripts alone."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from routing.admission.replies import Sweep, sweep_result
+from routing.admission.slots import _MODEL_KEYS, RANK, make_lease_id
+from routing.store.wire import text
+from tests.routing.test_slots import Model, slots
+from tiers.policy import Tier
+
+pytestmark = pytest.mark.usefixtures("script_modes")
+
+
+def waiter(replica: str, n: int, account: str = "acct") -> str:
+    """A waiter's id as a replica makes it: "<replica>-<n>~...": whose it is, from the id."""
+    return make_lease_id(f"{replica}-{n}", 1.0, account)
+
+
+async def sweep(m: Model, replica: str, waiters: list[tuple[str, int]] | None = None) -> Sweep:
+    """`replica`'s sweep of the model, naming `waiters` (id, place) if given."""
+    reply = await m.run(m.slots.sweep([], waiters or [], [], replica))
+    return sweep_result(reply)
+
+
+async def queue_up(m: Model, ids: list[str]) -> dict[str, int]:
+    """Each id queued behind a full model: its place (rank x RANK + sequence). In order,
+    but for runs of 50 (sent at once: in any order among themselves)."""
+    places = {}
+    for start in range(0, len(ids), 50):
+        chunk = ids[start : start + 50]
+        if len(chunk) < 50:
+            got = [await m.acquire(i, may_wait=True) for i in chunk]
+        else:
+            got = await asyncio.gather(*(m.acquire(i, may_wait=True) for i in chunk))
+        for i, a in zip(chunk, got, strict=True):
+            places[i] = Tier.DEFAULT.rank * RANK + a.place
+    return places
+
+
+async def bury_now(m: Model, replica: str) -> None:
+    """`replica`'s word that it is alive ends now (it died, or was stopped past it)."""
+    alive = m.slots.keys[_key("alive")]
+    assert await m.client.zadd(alive, {replica: 1}, xx=True, ch=True) == 1
+
+
+def _key(name: str) -> int:
+    return _MODEL_KEYS.index(name)
+
+
+async def test_a_dead_replicas_waiters_leave_and_no_one_elses(real_redis: aioredis.Redis) -> None:
+    """Its waiters leave at the next sweep of another replica; a replica whose id starts
+    with the dead one's ("r1-2" and "r1") keeps its own; so does the live one."""
+    m = Model(real_redis, slots(max_queue=100))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    dead = [waiter("r1", n) for n in range(3)]
+    other = [waiter("r1-2", n) for n in range(2)]
+    live = [waiter("r2", n) for n in range(2)]
+    await queue_up(m, [dead[0], other[0], live[0], dead[1], other[1], live[1], dead[2]])
+    for replica in ("r1", "r1-2", "r2"):
+        await sweep(m, replica)  # each says it is alive
+    await bury_now(m, "r1")
+    await sweep(m, "r2")
+    assert await m.queue() == [other[0], live[0], other[1], live[1]]
+    assert (await m.state())[2] == 4  # the default tier's count follows
+    alive = {text(r) for r in await real_redis.zrange(m.slots.keys[_key("alive")], 0, -1)}
+    assert alive == {"r1-2", "r2"}
+    await m.release(*other, *live, "l1", "l2")
+    await m.sweep()
+    assert await m.queue() == [] and await real_redis.zcard(m.slots.keys[_key("qexp")]) == 0
+
+
+async def test_a_replica_back_after_its_waiters_left_is_told_to_name_them(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Stopped past the waiter TTL: its waiters left. Its next sweep is told so (`name`),
+    and the sweep naming them queues them again at their places, ahead of later ones."""
+    m = Model(real_redis, slots(max_queue=100))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    mine = [waiter("r1", n) for n in range(2)]
+    later = waiter("r2", 0)
+    places = await queue_up(m, mine)
+    first = await sweep(m, "r1")
+    assert first.name  # never seen alive before: it names what it holds (nothing yet)
+    assert not (await sweep(m, "r1")).name
+    await bury_now(m, "r1")
+    await sweep(m, "r2")
+    assert await m.queue() == []
+    await queue_up(m, [later])
+    back = await sweep(m, "r1")
+    assert back.name
+    named = await sweep(m, "r1", [(w, places[w]) for w in mine])
+    assert named.requeued == mine and named.granted == ["", ""]
+    assert await m.queue() == [*mine, later]
+    assert not (await sweep(m, "r1")).name
+    await m.release(*mine, later, "l1", "l2")
+
+
+async def test_redis_restarted_empty_tells_every_replica_to_name_its_waiters(
+    real_redis: aioredis.Redis,
+) -> None:
+    m = Model(real_redis, slots(max_queue=100))
+    await sweep(m, "r1")
+    assert not (await sweep(m, "r1")).name
+    await real_redis.flushdb()
+    assert (await sweep(m, "r1")).name
+    assert not (await sweep(m, "r1")).name
+
+
+async def test_a_long_queue_is_looked_through_over_several_sweeps(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A dead replica's 6,000 waiters behind 1,000 of a live one: more than one sweep looks
+    through (5,000 entries a call at most, about 2 ms), all leave within two sweeps, and the
+    live replica's stay in order."""
+    m = Model(real_redis, slots(max_queue=10_000))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    live = [waiter("r2", n) for n in range(1000)]
+    dead = [waiter("r1", n) for n in range(6000)]
+    await queue_up(m, [*live, *dead])
+    await sweep(m, "r1")
+    await sweep(m, "r2")
+    await bury_now(m, "r1")
+    await sweep(m, "r2")
+    assert 1000 < len(await m.queue()) < 7000  # not all in one call
+    await sweep(m, "r2")
+    assert sorted(await m.queue()) == sorted(live)
+    alive = {text(r) for r in await real_redis.zrange(m.slots.keys[_key("alive")], 0, -1)}
+    assert alive == {"r2"} and not await real_redis.exists(m.slots.keys[_key("gone")])
+    await m.release(*live, "l1", "l2")
+
+
+async def test_a_sweep_naming_no_waiter_costs_nothing_per_waiter(
+    real_redis: aioredis.Redis,
+) -> None:
+    """With 2,000 waiters queued, a sweep that names none costs Redis a few calls, none
+    per waiter: their `qexp` entries are not touched."""
+    m = Model(real_redis, slots(max_queue=5000))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    await queue_up(m, [waiter("r1", n) for n in range(2000)])
+    await sweep(m, "r1")
+    qexp = m.slots.keys[_key("qexp")]
+    before = await real_redis.zrange(qexp, 0, -1, withscores=True)
+    stats: list[dict[str, Any]] = []
+    stats.append(await real_redis.info("commandstats"))
+    await sweep(m, "r1")
+    stats.append(await real_redis.info("commandstats"))
+    assert await real_redis.zrange(qexp, 0, -1, withscores=True) == before
+
+    def calls(i: int) -> int:
+        return sum(int(v.get("calls", 0)) for v in stats[i].values() if isinstance(v, dict))
+
+    assert calls(1) - calls(0) < 60
