@@ -138,10 +138,11 @@ class Keeper:
 
     async def sweep_once(self) -> None:
         work = self._round()
+        due = self._name_next
+        self._name_next = max(due, 1)  # a round that fails: Redis may have lost waiters unseen
         try:
             replies = await self.admission.scripts.send(self.admission.store, work.calls)
         except BaseException:
-            self._name_next = max(self._name_next, 1)  # Redis may have lost waiters unseen
             for model in work.indexed:  # its index writes may not have landed
                 self.admission.slots[model].rewrite()
             if self._accounts is not None:
@@ -152,8 +153,6 @@ class Keeper:
         self._apply(work, replies)
         if (error := first_error(replies)) is not None:
             raise error
-        if work.unknown:
-            await self._name_now(work.unknown)
         if self._accounts is not None and self._accounts.keeps.wants_all():
             # Redis lost this replica (its heartbeat just found it gone), a keep found
             # entries gone, or the store moved: every account now, not at the next round
@@ -163,6 +162,9 @@ class Keeper:
             self._accounts.answered(batch, replies)
             if (error := first_error(replies)) is not None:
                 raise error
+        if work.unknown:
+            await self._name_now(work.unknown)
+        self._name_next = due
 
     def _round(self) -> _Round:
         adm = self.admission
@@ -241,7 +243,6 @@ class Keeper:
             return
         sent = self.admission.waiting.clock()
         calls = self._sweeps(named, waiters)
-        self._name_next = max(self._name_next, 1)  # again next round, unless answered
         replies = await self.admission.scripts.send(self.admission.store, calls)
         ids = {p: [waiter_id for waiter_id, _ in waiters[p]] for p in named}
         work = _Round([], named, ids, [], 0, [], sent=sent)
@@ -250,7 +251,6 @@ class Keeper:
                 self._swept(part, work, sweep_result(reply))
         if (error := first_error(replies)) is not None:
             raise error
-        self._name_next = 0
 
     def _apply(self, work: _Round, replies: Sequence[Any]) -> None:
         adm = self.admission
