@@ -151,7 +151,12 @@ class Keeper:
                 self._accounts.keeps.lost()
             raise
         self._apply(work, replies)
-        if (error := first_error(replies)) is not None:
+        error = first_error(replies)
+        if work.unknown:
+            # Before any error of the round is raised: the sweeps that said so wrote this
+            # replica alive, so no later round would be told again to name these waiters.
+            await self._name_now(work.unknown)
+        if error is not None:
             raise error
         if self._accounts is not None and self._accounts.keeps.wants_all():
             # Redis lost this replica (its heartbeat just found it gone), a keep found
@@ -162,8 +167,6 @@ class Keeper:
             self._accounts.answered(batch, replies)
             if (error := first_error(replies)) is not None:
                 raise error
-        if work.unknown:
-            await self._name_now(work.unknown)
         self._name_next = due
 
     def _round(self) -> _Round:

@@ -1,0 +1,71 @@
+"""The keeper's naming of its waiters when Redis did not know the replica alive, against a
+round where some other call failed (a Cluster node failing over, a key of another type):
+the waiters Redis lost still go back to their places within the round, or the next."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from routing.store.wire import text
+from tests.routing.test_admission import Fleet, bounded, fill, intercept, release_all
+from tests.routing.test_keeper_naming import Named, fleet, not_naming, queued_waiter
+
+__all__ = ["fleet"]
+
+
+def failing_heartbeat(adm: Any) -> None:
+    """The next round's heartbeat answered by an error (its node failing over): once."""
+    left = [1]
+
+    async def around(calls: Sequence[Any], send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+        replies = await send()
+        if left[0] and any(name == "heartbeat" for name, _, _ in calls):
+            left[0] = 0
+            at = [name for name, _, _ in calls].index("heartbeat")
+            replies[at] = ResponseError("TRYAGAIN the heartbeat's node fails over")
+        return replies
+
+    intercept(adm, around)
+
+
+@pytest.mark.parametrize("lost", ["redis restarted empty", "replica away past the waiter TTL"])
+async def test_waiters_lost_go_back_though_another_call_of_the_round_failed(
+    fleet: Fleet, real_redis: aioredis.Redis, lost: str
+) -> None:
+    """The round that finds Redis did not know the replica alive has another call fail:
+    its sweeps wrote the replica alive, so no later round is told to name the waiters; they
+    must be named in that round all the same (before, they stayed out of the queue until
+    a NAME_EVERY round: a later request took their turn)."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting)
+    other = await fleet.keeper(holder)
+    named = Named(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task, waiter_id = await queued_waiter(fleet, waiting, named)
+    await bounded(keeper.sweep_once())
+    if lost == "redis restarted empty":
+        await real_redis.flushdb()
+        await bounded(other.sweep_once())  # writes back what the holder holds
+    else:
+        await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
+        await bounded(other.sweep_once())
+        assert await fleet.queued("two") == 0  # taken out as a dead replica's
+    failing_heartbeat(waiting)
+    not_naming(keeper)
+    with pytest.raises(ResponseError):
+        await keeper.sweep_once()  # Redis said: name them; another call failed
+    assert keeper._rounds % 5 != 0
+    await bounded(keeper.sweep_once())  # the next round (not one that names anyway)
+    first = [text(m) for m in await real_redis.zrange("gw:{two}:queue", 0, 0)]
+    in_queue = first == [waiter_id]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await bounded(waiting.drain())
+    await release_all(holder, held)
+    assert in_queue, "the waiter Redis lost was never queued again"
