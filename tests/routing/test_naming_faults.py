@@ -69,3 +69,29 @@ async def test_waiters_lost_go_back_though_another_call_of_the_round_failed(
     await bounded(waiting.drain())
     await release_all(holder, held)
     assert in_queue, "the waiter Redis lost was never queued again"
+
+
+async def test_naming_at_once_keeps_the_round_owed_to_a_new_subscription(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    """The subscription (re)started: the next round names the waiters too (a wake-up
+    published before the subscription was made in Redis is lost). A naming at once in the
+    meantime (Redis did not know the replica alive in a model) must not cancel that round."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)
+    named = Named(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task, waiter_id = await queued_waiter(fleet, waiting, named)
+    await bounded(keeper.sweep_once())
+    not_naming(keeper)
+    keeper.wakeups.gaps += 1  # the subscription started again
+    await bounded(keeper.sweep_once())  # names; one round more is owed
+    await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
+    await bounded(keeper._name_now(["two"]))  # as a round told so would
+    await bounded(keeper.sweep_once())
+    owed = waiter_id in named.rounds[-1]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await bounded(waiting.drain())
+    await release_all(holder, held)
+    assert owed, "the round owed to the new subscription named nobody"
