@@ -60,6 +60,9 @@ class Waiter:
     # acquire, a sweep): a grant comes after, so it lasts its claim time from then at least
     # (routing/admission/waiting.py `wait`).
     kept: float = 0.0
+    # Redis's clock (ms) when a sweep last found it queued, or queued it again: a grant whose
+    # wake-up says an earlier time was undone since (routing/admission/wakeups.py `wake`).
+    queued_ms: int = 0
 
 
 @dataclass(slots=True)

@@ -329,6 +329,8 @@ class Keeper:
         for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
             if waiter_id not in again:
                 self.admission.waiting.kept(waiter_id, work.sent)
+            if not endpoint:
+                self.admission.waiting.queued_at(waiter_id, found.clock_ms)
             self._found(part, waiter_id, endpoint)
 
     def _found(self, part: str, waiter_id: str, endpoint: str) -> None:

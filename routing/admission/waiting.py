@@ -38,6 +38,13 @@ class Waiting:
         if waiter is not None:
             waiter.kept = max(waiter.kept, when)
 
+    def queued_at(self, lease_id: str, redis_ms: int) -> None:
+        """A sweep that ran at `redis_ms` (Redis's clock) found `lease_id` queued, or
+        queued it again."""
+        waiter = self.holdings.waiters.get(lease_id)
+        if waiter is not None:
+            waiter.queued_ms = max(waiter.queued_ms, redis_ms)
+
     def not_queued(self, lease_id: str) -> None:
         """The acquire did not queue it: its waiter goes, whatever became of it meanwhile."""
         waiter = self.holdings.waiters.pop(lease_id, None)

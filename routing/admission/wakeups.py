@@ -81,6 +81,11 @@ class Wakeups:
         waiter = self.waiting.holdings.waiters.get(waiter_id)
         if waiter is None or waiter.future.done():
             return
+        if granted_ms and granted_ms < waiter.queued_ms:
+            # Made before a sweep found its waiter queued (or queued it again): that grant
+            # went back since (its replica was stopped past the claim time), its slot maybe
+            # taken. Not a wake-up: the waiter waits on for its next grant.
+            return
         clock = self._clocks.get(channel) if granted_ms else None
         if clock is not None:
             sent, clock_ms = clock
