@@ -10,10 +10,10 @@ ways:
 
 Everything Redis does for a request counts: its admission (acquire, the release that hands
 its slot on), its start, its usage record, the replicas' sweeps (which keep every lease they
-hold and, every fifth round, name every waiter), heartbeats. Redis CPU (INFO used_cpu) and the replicas' CPU (/proc) are read
-when the queue is full and again `requests` completions later, so fill and drain are left
-out; the queue's depth is read from Redis at both ends. Every simulator's own peak is checked
-against its slots.
+hold and, every fifth round, name every waiter), heartbeats. Redis CPU (INFO used_cpu) and
+the replicas' CPU (/proc) are read when the queue is full and again `requests` completions
+later, so fill and drain are left out; the queue's depth is read from Redis at both ends.
+Every simulator's own peak is checked against its slots.
 """
 
 from __future__ import annotations

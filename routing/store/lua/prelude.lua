@@ -742,6 +742,7 @@ local function bury(now, waiting, me)
         redis.call('HDEL', GONE, r)
       else
         redis.call('HSET', GONE, r, found[#found])
+        redis.call('PEXPIRE', GONE, 60000)  -- (a look left by every replica starts again)
       end
       budget = budget - #found / 2
     end
