@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.runtime.settings import parse_config
-from routing.admission.admit import Admission, Admitted
+from routing.admission.admit import Admission, Admitted, Lease
 from routing.admission.keeper import Keeper
 from routing.admission.timing import NAME_EVERY
 from routing.registry import Registry
@@ -83,6 +84,37 @@ async def queued_waiter(fleet: Fleet, adm: Admission, named: Named) -> tuple[Any
     return task, waiter_id
 
 
+@dataclass
+class Scene:
+    """Two replicas: `holder` fills "two", `waiting`'s request waits in its queue (`task`,
+    as `waiter_id`), its keeper's first round already run (it named the waiter)."""
+
+    holder: Admission
+    waiting: Admission
+    keeper: Keeper
+    named: Named
+    held: list[Lease]
+    task: asyncio.Task[Admitted]
+    waiter_id: str
+
+    async def end(self, fleet: Fleet) -> None:
+        """The waiter gives up, the holder's leases go back: nothing left."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await bounded(self.waiting.drain())
+        await release_all(self.holder, self.held)
+
+
+async def a_waiter(fleet: Fleet, *, listen: bool = False) -> Scene:
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=listen)
+    named = Named(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task, waiter_id = await queued_waiter(fleet, waiting, named)
+    await bounded(keeper.sweep_once())
+    return Scene(holder, waiting, keeper, named, held, task, waiter_id)
+
+
 def not_naming(keeper: Keeper) -> None:
     """The keeper as between namings: its subscription's start answered, no round due."""
     keeper._gaps, keeper._name_next = keeper.wakeups.gaps, 0
@@ -147,7 +179,25 @@ async def test_a_round_that_failed_or_a_new_subscription_names_at_the_next_round
     await fleet.assert_clean()
 
 
-@pytest.mark.parametrize("lost", ["redis restarted empty", "replica away past the waiter TTL"])
+LOSSES = ["redis restarted empty", "replica away past the waiter TTL"]
+
+
+async def lose(
+    fleet: Fleet, redis: aioredis.Redis, lost: str, waiting: Admission, other: Keeper
+) -> None:
+    """`waiting`'s waiters lost (`lost`, one of LOSSES) as `other`'s next sweep finds it:
+    Redis restarted empty (the sweep writes back what its replica holds), or `waiting` was
+    away past the waiter TTL (the sweep takes its waiters out of the queue)."""
+    if lost == "redis restarted empty":
+        await redis.flushdb()
+        await bounded(other.sweep_once())
+    else:
+        await redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
+        await bounded(other.sweep_once())
+        assert await fleet.queued("two") == 0  # taken out as a dead replica's
+
+
+@pytest.mark.parametrize("lost", LOSSES)
 async def test_waiters_redis_lost_are_queued_again_in_the_same_round(
     fleet: Fleet, real_redis: aioredis.Redis, lost: str
 ) -> None:
@@ -162,14 +212,7 @@ async def test_waiters_redis_lost_are_queued_again_in_the_same_round(
     held = await fill(fleet, holder, "two", 2)
     task, waiter_id = await queued_waiter(fleet, waiting, named)
     await bounded(keeper.sweep_once())
-    if lost == "redis restarted empty":
-        await real_redis.flushdb()
-        await bounded(other.sweep_once())  # writes back what the holder holds
-    else:
-        alive = "gw:{two}:alive"
-        await real_redis.zadd(alive, {waiting.replica_id: 1}, xx=True)
-        await bounded(other.sweep_once())
-        assert await fleet.queued("two") == 0  # taken out as a dead replica's
+    await lose(fleet, real_redis, lost, waiting, other)
     later = asyncio.create_task(admit(holder, fleet.plan("two"), account="t-later"))
     await bounded(holder_named.queued.get())  # (after the rebuild window: 3.5 s)
     await bounded(other.sweep_once())  # its replica alive meanwhile
@@ -221,12 +264,10 @@ async def test_a_wake_up_read_late_by_its_grants_time_asks_redis_first(
     """The same wake-up (its grant's time said), read when this replica's clock has moved
     on by the claim time since (it was stopped): the grant may have gone back, so the
     waiter asks Redis, which still holds it here, and runs."""
-    holder, waiting = await fleet.admission(), await fleet.admission()
-    keeper = await fleet.keeper(waiting, listen=False)
-    named = Named(waiting)
-    held = await fill(fleet, holder, "two", 2)
-    task, waiter_id = await queued_waiter(fleet, waiting, named)
-    await bounded(keeper.sweep_once())
+    scene = await a_waiter(fleet)
+    holder, waiting, keeper, named, held = (scene.holder, scene.waiting, scene.keeper,
+                                            scene.named, scene.held)  # fmt: skip
+    task, waiter_id = scene.task, scene.waiter_id
     not_naming(keeper)
     await bounded(keeper.sweep_once())  # tells Redis's clock against this replica's
     pubsub = real_redis.pubsub(ignore_subscribe_messages=True)

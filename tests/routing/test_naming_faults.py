@@ -14,7 +14,15 @@ from redis.exceptions import ResponseError
 
 from routing.store.wire import text
 from tests.routing.test_admission import Fleet, bounded, fill, intercept, release_all
-from tests.routing.test_keeper_naming import Named, fleet, not_naming, queued_waiter
+from tests.routing.test_keeper_naming import (
+    LOSSES,
+    Named,
+    a_waiter,
+    fleet,
+    lose,
+    not_naming,
+    queued_waiter,
+)
 
 __all__ = ["fleet"]
 
@@ -34,7 +42,7 @@ def failing_heartbeat(adm: Any) -> None:
     intercept(adm, around)
 
 
-@pytest.mark.parametrize("lost", ["redis restarted empty", "replica away past the waiter TTL"])
+@pytest.mark.parametrize("lost", LOSSES)
 async def test_waiters_lost_go_back_though_another_call_of_the_round_failed(
     fleet: Fleet, real_redis: aioredis.Redis, lost: str
 ) -> None:
@@ -49,13 +57,7 @@ async def test_waiters_lost_go_back_though_another_call_of_the_round_failed(
     held = await fill(fleet, holder, "two", 2)
     task, waiter_id = await queued_waiter(fleet, waiting, named)
     await bounded(keeper.sweep_once())
-    if lost == "redis restarted empty":
-        await real_redis.flushdb()
-        await bounded(other.sweep_once())  # writes back what the holder holds
-    else:
-        await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
-        await bounded(other.sweep_once())
-        assert await fleet.queued("two") == 0  # taken out as a dead replica's
+    await lose(fleet, real_redis, lost, waiting, other)
     failing_heartbeat(waiting)
     not_naming(keeper)
     with pytest.raises(ResponseError):
@@ -77,21 +79,14 @@ async def test_naming_at_once_keeps_the_round_owed_to_a_new_subscription(
     """The subscription (re)started: the next round names the waiters too (a wake-up
     published before the subscription was made in Redis is lost). A naming at once in the
     meantime (Redis did not know the replica alive in a model) must not cancel that round."""
-    holder, waiting = await fleet.admission(), await fleet.admission()
-    keeper = await fleet.keeper(waiting, listen=False)
-    named = Named(waiting)
-    held = await fill(fleet, holder, "two", 2)
-    task, waiter_id = await queued_waiter(fleet, waiting, named)
-    await bounded(keeper.sweep_once())
+    scene = await a_waiter(fleet)
+    keeper = scene.keeper
     not_naming(keeper)
     keeper.wakeups.gaps += 1  # the subscription started again
     await bounded(keeper.sweep_once())  # names; one round more is owed
-    await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
+    await real_redis.zadd("gw:{two}:alive", {scene.waiting.replica_id: 1}, xx=True)
     await bounded(keeper._name_now(["two"]))  # as a round told so would
     await bounded(keeper.sweep_once())
-    owed = waiter_id in named.rounds[-1]
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await bounded(waiting.drain())
-    await release_all(holder, held)
+    owed = scene.waiter_id in scene.named.rounds[-1]
+    await scene.end(fleet)
     assert owed, "the round owed to the new subscription named nobody"
