@@ -220,11 +220,13 @@ class Keeper:
     def _naming(self) -> bool:
         """Whether this round names every waiter: every NAME_EVERY rounds (a subscription
         broken unseen loses wake-ups; their `qexp` backup is renewed), after a round that
-        failed, after the subscription started (again), and after the store moved to
-        another master (each may have lost waiters or their wake-ups)."""
+        failed, while the subscription is down (a break backs off for seconds: every
+        wake-up is lost, a grant would go back at its claim time) and after it started
+        (again), and after the store moved to another master (each may have lost waiters
+        or their wake-ups)."""
         gaps, moves = self.wakeups.gaps, self.admission.store.moves or 0
         name = (self._rounds % NAME_EVERY == 0 or self._name_next > 0 or gaps != self._gaps
-                or moves != self._named_moves)  # fmt: skip
+                or moves != self._named_moves or not self.wakeups.listening)  # fmt: skip
         if gaps != self._gaps:
             # One round more: a grant published before the subscription was made in
             # Redis may come after the round's sweep ran.

@@ -36,6 +36,9 @@ class Wakeups:
         self._clocks: dict[str, tuple[float, int]] = {}
         # How many times the subscription started: a keeper that saw fewer names its waiters.
         self.gaps = 0
+        # Subscribed now: while not (its start, a break's backoff: seconds), every wake-up
+        # is lost and the keeper's sweeps name the waiters every round.
+        self.listening = False
 
     def saw_clock(self, channel: str, sent: float, clock_ms: int) -> None:
         """A sweep that left at `sent` (the waiting clock) ran in Redis at `clock_ms`."""
@@ -53,11 +56,13 @@ class Wakeups:
         try:
             await pubsub.subscribe(*channels)
             self.gaps += 1  # wake-ups from before it may be lost: the sweeps look
+            self.listening = True
             while True:
                 message = await pubsub.get_message(timeout=5.0)
                 if message is not None:
                     self.on_message(message)
         finally:
+            self.listening = False
             # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(_close_quietly(pubsub), 1.0)

@@ -118,16 +118,19 @@ async def a_waiter(fleet: Fleet, *, listen: bool = False) -> Scene:
 def not_naming(keeper: Keeper) -> None:
     """The keeper as between namings: its subscription's start answered, no round due."""
     keeper._gaps, keeper._name_next = keeper.wakeups.gaps, 0
+    keeper.wakeups.listening = True
     keeper._rounds = 1
 
 
 async def test_between_namings_a_waiter_costs_the_sweeps_nothing_and_a_lost_wake_up_waits(
     fleet: Fleet,
 ) -> None:
-    """Rounds 1 to NAME_EVERY - 1 name no waiter; a wake-up lost meanwhile (nobody listens)
-    is claimed by the round that names them, NAME_EVERY."""
+    """Rounds 1 to NAME_EVERY - 1 name no waiter; a wake-up lost meanwhile unseen (the
+    subscription thought live; nobody listens) is claimed by the round that names them,
+    NAME_EVERY."""
     holder, waiting = await fleet.admission(), await fleet.admission()
     keeper = await fleet.keeper(waiting, listen=False)
+    keeper.wakeups.listening = True
     named = Named(waiting)
     held = await fill(fleet, holder, "two", 2)
     task, waiter_id = await queued_waiter(fleet, waiting, named)
@@ -140,6 +143,26 @@ async def test_between_namings_a_waiter_costs_the_sweeps_nothing_and_a_lost_wake
     admitted: Admitted = await bounded(task)
     assert [waiter_id in r for r in named.rounds] == [True] + [False] * (NAME_EVERY - 1) + [True]
     assert admitted.lease.endpoint == held[0].endpoint
+    await release_all(waiting, [admitted.lease])
+    await release_all(holder, held[1:])
+    await fleet.assert_clean()
+
+
+async def test_while_the_subscription_is_down_every_round_names(fleet: Fleet) -> None:
+    """A subscription that broke backs off for seconds before it starts again: every
+    wake-up meanwhile is lost, so every round names the waiters (a grant is claimed within
+    a sweep, never left to go back at its claim time)."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)
+    named = Named(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task, waiter_id = await queued_waiter(fleet, waiting, named)
+    not_naming(keeper)
+    keeper.wakeups.listening = False  # broken, backing off
+    await bounded(holder.release(held[0]))  # granted; its wake-up lost
+    await bounded(keeper.sweep_once())
+    admitted: Admitted = await bounded(task)
+    assert [waiter_id in r for r in named.rounds] == [True]
     await release_all(waiting, [admitted.lease])
     await release_all(holder, held[1:])
     await fleet.assert_clean()
