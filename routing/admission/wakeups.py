@@ -47,8 +47,11 @@ class Wakeups:
 
     def moved(self) -> None:
         """The store moved to another master, whose clock is another: no grant's age is
-        told until a sweep there answers."""
+        told until a sweep there answers, and no grant is older than a sweep there by
+        that clock (a grant there may say a time before a sweep of the old master's)."""
         self._clocks.clear()
+        for waiter in self.waiting.holdings.waiters.values():
+            waiter.queued_ms = 0
 
     async def listen(self, client: aioredis.Redis, channels: list[str]) -> None:
         """One subscription until it breaks (the caller subscribes again)."""

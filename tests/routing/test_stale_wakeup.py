@@ -83,3 +83,31 @@ async def test_a_stale_timed_wake_up_read_after_a_sweep_found_its_waiter_queued_
     await release_all(waiting, [admitted.lease])
     await release_all(holder, [held[1]])
     await fleet.assert_clean()
+
+
+async def test_after_a_move_a_grant_by_the_new_masters_clock_is_not_taken_for_stale(
+    fleet: Fleet, real_redis: aioredis.Redis
+) -> None:
+    """A sweep found the waiter queued by the old master's clock; the store moved to a
+    master whose clock is 5 s behind, and grants it there. The wake-up says a time before
+    the old master's: not a sign its grant went back (another clock), so the waiter runs,
+    rather than leaving its grant to go back at the claim time."""
+    holder, waiting = await fleet.admission(), await fleet.admission()
+    keeper = await fleet.keeper(waiting, listen=False)
+    named = Named(waiting)
+    held = await fill(fleet, holder, "two", 2)
+    task, waiter_id = await queued_waiter(fleet, waiting, named)
+    await bounded(keeper.sweep_once())  # names it: found queued, by this clock
+    message = await grant_message(
+        real_redis, waiting.slots["two"].channel, lambda: holder.release(held[0])
+    )
+    when, _, rest = text(message["data"]).partition(" ")
+    assert rest.startswith(waiter_id)
+    behind = {**message, "data": f"@{int(when[1:]) - 5000} {rest}"}
+    keeper.wakeups.moved()  # the store moved to another master (its clock is another)
+    keeper.wakeups.on_message(behind)
+    admitted: Admitted = await asyncio.wait_for(task, 2.0)
+    assert admitted.lease.endpoint == held[0].endpoint
+    await release_all(waiting, [admitted.lease])
+    await release_all(holder, [held[1]])
+    await fleet.assert_clean()
