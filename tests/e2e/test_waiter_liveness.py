@@ -1,7 +1,11 @@
 """Waiters live by their replica's word (docs/architecture.md, "Waiter liveness is the
-replica's"), done for real: a replica stopped (SIGSTOP) for less and more than the waiter
-TTL and the claim time while the other grants; Redis restarted empty under waiters of two
-replicas. Read from the worker's own counters (q: capacity 1) and from Redis itself.
+replica's"), done for real with two replicas: one stopped (SIGSTOP) past the waiter TTL gets
+its waiters back at their places; one killed -9 takes its waiters out of the queue within
+the waiter TTL and a sweep; a grant made while a subscription backs off is claimed by the
+next sweep. Read from the worker's own counters (q: capacity 1) and from Redis itself.
+(More scenes of this kind, run when this was built and held, are left out of the suite for
+its time: a replica stopped 2.5, 5.5 and 9 s with waiters, stopped twice under traffic,
+Redis shut down and back under two replicas' waiters.)
 """
 
 from __future__ import annotations
@@ -104,44 +108,6 @@ async def queue_up(
     return tasks
 
 
-@pytest.mark.parametrize("stop_s", [2.5, 5.5, 9.0])
-async def test_a_replica_stopped_with_waiters_ends_every_request_within_capacity(
-    pair: Pair, stop_s: float
-) -> None:
-    """q (capacity 1) held on A; waiters of B, A, B, A queue; B is stopped for `stop_s`
-    (below the waiter TTL, past it and the claim time, far past) as A's stream ends and
-    A keeps granting, and A queues one more meanwhile. Every request ends 200 or 429 (none
-    a 500), q never runs two, and nothing is left in Redis: no waiter of B holds the queue."""
-    a, b = pair.replicas
-    assert b.popen is not None
-    client = aioredis.from_url(pair.redis.url)
-    tasks: list[asyncio.Task[httpx.Response]] = []
-    try:
-        async with held(a.url, "q"):
-            tasks += await queue_up(
-                client, [b.url, a.url, b.url, a.url], [KEY_TWO, KEY, KEY_ONE, KEY]
-            )
-            b.popen.send_signal(signal.SIGSTOP)
-        try:
-            stopped = time.monotonic()
-            tasks.append(asyncio.create_task(post(a.url, "q", max_tokens=20)))
-            await asyncio.sleep(stop_s - (time.monotonic() - stopped))
-        finally:
-            b.popen.send_signal(signal.SIGCONT)
-        answers = await asyncio.wait_for(asyncio.gather(*tasks), 25)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await client.aclose()
-    codes = [r.status_code for r in answers]
-    print(f"stopped {stop_s}s: {codes}")
-    assert all(c in (200, 429) for c in codes), [r.text for r in answers]
-    assert codes.count(200) >= 3, codes  # A's three at least
-    assert load(pair.single)["sim:peak_requests_running"] <= 1
-    await clean(pair, LEASE_TTL_S + SLACK_S)
-
-
 async def test_a_replica_stopped_past_the_waiter_ttl_gets_its_waiters_back_in_order(
     pair: Pair,
 ) -> None:
@@ -170,41 +136,6 @@ async def test_a_replica_stopped_past_the_waiter_ttl_gets_its_waiters_back_in_or
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
     assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
-    assert load(pair.single)["sim:peak_requests_running"] <= 1
-    await clean(pair, LEASE_TTL_S + SLACK_S)
-
-
-async def test_redis_shut_down_and_back_keeps_two_replicas_waiters_in_order(pair: Pair) -> None:
-    """q held on A; waiters of B, A, B, A. Redis SHUTDOWN NOSAVE and started again on the
-    same port at once (the sweeps may see no error): the queue comes back in its order,
-    every waiter is served, q never runs two."""
-    a, b = pair.replicas
-    client = aioredis.from_url(pair.redis.url)
-    tasks: list[asyncio.Task[httpx.Response]] = []
-    try:
-        async with held(a.url, "q"):
-            tasks += await queue_up(
-                client, [b.url, a.url, b.url, a.url], [KEY_TWO, KEY, KEY_ONE, KEY]
-            )
-            order = [m.decode() for m in await client.zrange(QUEUE, 0, -1)]
-            await client.shutdown(nosave=True)
-            assert pair.redis.popen is not None
-            pair.redis.popen.wait(5)
-            pair.redis.start()
-            await client.aclose()
-            client = aioredis.from_url(pair.redis.url)
-
-            async def back() -> bool:
-                return [m.decode() for m in await client.zrange(QUEUE, 0, -1)] == order
-
-            await until(back, "the queue back in order", 2 * SWEEP_S + SLACK_S)
-        answers = await asyncio.wait_for(asyncio.gather(*tasks), 25)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await client.aclose()
-    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
     assert load(pair.single)["sim:peak_requests_running"] <= 1
     await clean(pair, LEASE_TTL_S + SLACK_S)
 
@@ -244,33 +175,6 @@ async def test_a_killed_replicas_waiters_leave_before_the_slot_frees(pair: Pair)
         await client.aclose()
     assert load(pair.single)["sim:peak_requests_running"] <= 1
     await clean(pair, LEASE_TTL_S + LEASE_TTL_S / 3 + SLACK_S)
-
-
-async def test_a_replica_stopped_twice_under_traffic_never_runs_over(pair: Pair) -> None:
-    """24 short requests on q (capacity 1), half on each replica, sent together; B is
-    stopped 4 s (past the waiter TTL), resumed 1 s, stopped 4 s again. Every request ends
-    200 or 429, q never runs two, nothing is left in Redis."""
-    a, b = pair.replicas
-    assert b.popen is not None
-    tasks = [asyncio.create_task(post((a, b)[n % 2].url, "q", max_tokens=10)) for n in range(24)]
-    try:
-        for _ in range(2):
-            await asyncio.sleep(1.0)
-            b.popen.send_signal(signal.SIGSTOP)
-            try:
-                await asyncio.sleep(4.0)
-            finally:
-                b.popen.send_signal(signal.SIGCONT)
-        answers = await asyncio.wait_for(asyncio.gather(*tasks), 30)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    codes = [r.status_code for r in answers]
-    print(f"codes {sorted(codes)}")
-    assert all(c in (200, 429) for c in codes), [r.text for r in answers if r.status_code >= 500]
-    assert load(pair.single)["sim:peak_requests_running"] <= 1
-    await clean(pair, LEASE_TTL_S + SLACK_S)
 
 
 async def test_a_grant_made_while_the_subscription_backs_off_is_claimed_within_a_sweep(
