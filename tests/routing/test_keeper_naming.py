@@ -34,7 +34,7 @@ from tests.routing.test_admission import (
 WAIT_S = 20.0
 
 
-@pytest.fixture(params=["resp", "redis-py"])
+@pytest.fixture(params=["resp"])  # (the keeper's logic; test_admission runs both clients)
 async def fleet(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     """test_admission's fleet, its waiters waiting long enough for several rounds."""
     config = parse_config(
