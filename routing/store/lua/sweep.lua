@@ -26,8 +26,10 @@
 --          {1 if this replica's waiters are to be named now (Redis did not know it alive:
 --          it restarted empty, failed over, or the replica was away past the waiter TTL and
 --          its waiters left the queue), Redis's clock in ms (for the wake-ups' times)}}.
--- Its cost grows with what this replica holds and with the endpoints only while nothing is
--- held at all (the loads' mend, below), never with the queue of other replicas.
+-- Its cost grows with what this replica holds (its waiters only when it names them) and
+-- with the endpoints only while nothing is held at all (the loads' mend, below), never with
+-- the queue of other replicas but once for each replica that died (prelude `bury`, at most
+-- 5,000 entries a call).
 -- The waiters per tier set from the queue itself (prelude: `waiting_counts`), where they
 -- differ: whatever slipped (a replica of the release before queues without counting). A
 -- queue found waiting while fair share's counts are not kept has them made afresh (the
