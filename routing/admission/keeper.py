@@ -249,11 +249,10 @@ class Keeper:
         sent = self.admission.waiting.clock()
         calls = self._sweeps(named, waiters)
         replies = await self.admission.scripts.send(self.admission.store, calls)
-        ids = {p: [waiter_id for waiter_id, _ in waiters[p]] for p in named}
-        work = _Round([], named, ids, [], 0, [], sent=sent)
         for part, reply in zip(named, replies, strict=True):
             if not isinstance(reply, Exception):
-                self._swept(part, work, sweep_result(reply))
+                ids = [waiter_id for waiter_id, _ in waiters[part]]
+                self._swept(part, sent, ids, sweep_result(reply))
         if (error := first_error(replies)) is not None:
             raise error
 
@@ -268,7 +267,7 @@ class Keeper:
             if isinstance(reply, Exception):
                 continue
             found_parts[part] = found = sweep_result(reply)
-            self._swept(part, work, found)
+            self._swept(part, work.sent, work.waiters.get(part, []), found)
             if found.name and part not in work.waiters:
                 work.unknown.append(part)
         self._saw_models(found_parts, now)
@@ -289,16 +288,16 @@ class Keeper:
             if not isinstance(reply, Exception):
                 self.tokens.saw(part, reply)
 
-    def _swept(self, part: str, work: _Round, found: Sweep) -> None:
-        """What a partition's sweep found: the model's state, leases written back, and the
-        waiters it named."""
+    def _swept(self, part: str, sent: float, named: Sequence[str], found: Sweep) -> None:
+        """What a partition's sweep (left at `sent`, naming these waiters) found: the
+        model's state, leases written back, and the waiters it named."""
         slots = self.admission.slots[part]
         slots.known = True
         slots.saw(found.state.version)
         slots.seen_queue = found.state.queued
-        self.wakeups.saw_clock(slots.channel, work.sent, found.clock_ms)
+        self.wakeups.saw_clock(slots.channel, sent, found.clock_ms)
         self.admission.handback.recheck(found.restored, part)
-        self._waiters(part, work, found)
+        self._waiters(part, sent, named, found)
 
     def _beat(self, reply: Any) -> None:
         """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
@@ -323,14 +322,14 @@ class Keeper:
                 self.states[model] = state
                 adm.retry.freed(model, now, state.freed)
 
-    def _waiters(self, part: str, work: _Round, found: Sweep) -> None:
+    def _waiters(self, part: str, sent: float, named: Sequence[str], found: Sweep) -> None:
         """The waiters the sweep named: kept from when it left (found queued, or granted
         and kept for the lease's TTL; not those it queued again as lost: a wake-up read
         later may tell of a grant that is gone), then woken or given back (`_found`)."""
         again = set(found.requeued)
-        for waiter_id, endpoint in zip(work.waiters.get(part, []), found.granted, strict=True):
+        for waiter_id, endpoint in zip(named, found.granted, strict=True):
             if waiter_id not in again:
-                self.admission.waiting.kept(waiter_id, work.sent)
+                self.admission.waiting.kept(waiter_id, sent)
             if not endpoint:
                 self.admission.waiting.queued_at(waiter_id, found.clock_ms)
             self._found(part, waiter_id, endpoint)
