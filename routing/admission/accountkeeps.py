@@ -6,16 +6,18 @@ replica keeps it. Keeping every account at every sweep cost one script call per 
 second: with 10,000 accounts waiting, 5,000 calls per replica a second, most of Redis's
 work for a queue that deep (bench/README.md). An account is kept when:
 
-- it holds an entry no sweep kept yet, or kept for the first time less than RECENT rounds
-  ago: what a failover to a replica that lagged a few seconds behind (or an AOF's last
-  second) may have lost is written back at once, as before (those entries only);
+- it holds an entry no sweep kept yet: what a failover to a replica that lagged behind (or
+  an AOF's last second) lost of it is written back at once, as before (those entries only).
+  One keep is enough: each round's heartbeat goes after its keeps and leaves a mark, and
+  the next finds it there (Redis applies writes in order, and a replica copies them so)
+  unless Redis lost that round's keeps, or anything written before them;
 - its last keep was `every` rounds ago, or a third of the entries' TTL ago, whichever comes
   first: rounds run late when Redis is slow to answer or the loop is busy (each starts an
   interval after the last ended), and `every` late rounds may outlast the TTL;
-- Redis lost this replica's state (its heartbeat found it gone: a restart empty, a failover
-  that lost more than the RECENT rounds; or a round failed whole, its heartbeat's answer
-  unknown), an account's keep found entries gone, or the store moved to another master:
-  then every account, at the next sweep.
+- Redis lost this replica's state (its heartbeat did not find the last one's mark: a
+  restart empty, a failover that lost a round's keeps; or a round failed whole, its
+  heartbeat's answer unknown), an account's keep found entries gone, or the store moved
+  to another master: then every account, at the next sweep.
 
 On a Redis Cluster every account is kept at every round: the heartbeat lives on one node
 and cannot tell that another master restarted empty.
@@ -29,16 +31,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from routing.store.scripts import Call, first_error
+from routing.store.wire import text
 
 if TYPE_CHECKING:
     from routing.admission.admit import Admission
 
-# Rounds during which an entry is kept at every sweep after its first keep: longer than
-# the writes a failover may lose (a replica's lag, an AOF's last second). A loss of more
-# makes this replica's heartbeat, written every round and living the waiter TTL (3 rounds
-# at least: max(3 s, 3 intervals)), go too. (With an interval under 1 s the heartbeat lives
-# more than 3 rounds; then the lease TTL is under 4 s and every account is due each round.)
-RECENT = 3
+# Rounds during which an entry is kept at every sweep after its first keep. One: the keeps
+# of a round are vouched for by its heartbeat's mark (`beat`), and an entry written after
+# them is kept at the next round (its acquire was answered after this round's snapshot).
+# Three before the mark, when a heartbeat only said whether Redis knew this replica: a
+# failover that lost less than its life (3 rounds) went unseen.
+RECENT = 1
+# Where each replica's heartbeat leaves its mark (`AccountKeeper.heartbeat`).
+BEAT_KEY = "gw:beat:"
 # On one Redis this many accounts go in one keep (a script call per account cost about three
 # times its work); on a Cluster one, every account its own hash tag.
 PER_CALL = 500
@@ -59,6 +64,9 @@ class AccountKeeps:
         self._first: dict[str, int] = {}  # entry id -> the round of its first keep
         self._all = True  # the next round keeps every account
         self._again = False  # a keep of the round found entries gone
+        # The mark the last heartbeat answered left, which the next must find (None: not
+        # known, every account is kept next anyway).
+        self._mark: str | None = None
 
     @classmethod
     def of(cls, ttl_ms: int, interval_s: float, timeout_ms: int = 0) -> AccountKeeps:
@@ -130,6 +138,15 @@ class AccountKeeps:
     def lost(self) -> None:
         """Redis lost this replica's state: every account at the next round."""
         self._all = True
+        self._mark = None  # (the round's heartbeat may have run or not)
+
+    def beat(self, sent: str, found: str | None) -> None:
+        """A heartbeat, sent after a round's keeps, left the mark `sent` and found `found`:
+        anything but the last one's mark means Redis lost writes (a restart, a failover to
+        a replica that lagged), perhaps keeps: every account at the next round."""
+        if self._mark is not None and found != self._mark:
+            self._all = True
+        self._mark = sent
 
 
 @dataclass
@@ -162,6 +179,8 @@ class AccountKeeper:
             else AccountKeeps(1)
         )
         self._moves = 0  # the store's moves to another master seen
+        self._beats = 0  # heartbeats sent (each one's mark)
+        self._answered = False  # a heartbeat was answered (`answered_beat`)
 
     def batch(self, number: int) -> Batch:
         """The keeps of round `number`: on one Redis PER_CALL accounts a call, on a Cluster
@@ -197,6 +216,30 @@ class AccountKeeper:
                 self.keeps.kept(key, ids, batch.number, whole, bool(reply), batch.sent)
         answered = len(replies) == len(batch.calls) and first_error(replies) is None
         self.keeps.done(batch.everyone, answered)
+
+    def heartbeat(self, replicas_key: str) -> tuple[Call, str]:
+        """This replica's heartbeat, sent after the keeps it vouches for, and its mark (on a
+        Cluster none: the heartbeat's node is not the accounts')."""
+        adm = self.admission
+        self._beats += 1
+        mark = str(self._beats)
+        args: list[Any] = [adm.replica_id, adm.timing.waiter_ttl_ms]
+        if not adm.store.one_node:
+            return ("heartbeat", [replicas_key], args), mark
+        keys = [replicas_key, BEAT_KEY + adm.replica_id]
+        return ("heartbeat", keys, [*args, mark, 2 * adm.timing.lease_ttl_ms]), mark
+
+    def answered_beat(self, mark: str, reply: Any) -> None:
+        """A heartbeat's answer (`reply`, or its error), which left `mark`."""
+        if isinstance(reply, Exception):
+            self.keeps.lost()  # it may have run or not: its mark is not known
+            return
+        gone, _, found = reply
+        if int(gone) == 1 and self._answered:
+            self.keeps.lost()  # Redis restarted empty, or failed over far behind
+        self._answered = True
+        if self.admission.store.one_node:
+            self.keeps.beat(mark, text(found) if found else None)
 
     def _per_call(self) -> int:
         return PER_CALL if self.admission.store.one_node else 1

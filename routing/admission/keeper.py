@@ -65,8 +65,9 @@ class _Round:
     # When the round left (the admission's waiting clock): its waiters found queued, or
     # granted and kept for the lease's TTL, last that long from then at least.
     sent: float = 0.0
-    # The accounts' keeps (their calls follow the heartbeat).
+    # The accounts' keeps (the heartbeat follows their calls), and the heartbeat's mark.
     accounts: Batch | None = None
+    mark: str = ""
     # The partitions whose sweep found Redis did not know this replica alive there.
     unknown: list[str] = field(default_factory=list)
 
@@ -90,8 +91,6 @@ class Keeper:
     _named_moves: int = 0
     # Which accounts' entries each round keeps (not all at every round), and how.
     _accounts: AccountKeeper | None = None
-    # A heartbeat was answered: one that finds this replica gone means Redis lost it.
-    _heartbeat_answered: bool = False
     # Wake-ups by message, and how many times their subscription started that the sweeps
     # have answered (`_naming`).
     wakeups: Wakeups = field(init=False)
@@ -163,8 +162,11 @@ class Keeper:
             # entries gone, or the store moved: every account now, not at the next round
             # (grants pause meanwhile: the rebuild window).
             batch = self._accounts.batch(self._rounds)
-            replies = await self.admission.scripts.send(self.admission.store, batch.calls)
-            self._accounts.answered(batch, replies)
+            beat, mark = self._accounts.heartbeat(REPLICAS_KEY)
+            calls = [*batch.calls, beat]
+            replies = await self.admission.scripts.send(self.admission.store, calls)
+            self._accounts.answered(batch, replies[:-1])
+            self._accounts.answered_beat(mark, replies[-1])
             if (error := first_error(replies)) is not None:
                 raise error
         self._name_next = due
@@ -177,12 +179,13 @@ class Keeper:
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
         waiters = holdings.waiters_by_model() if self._naming() else {}
         calls = [*indexes.values(), *self._sweeps(models, waiters)]
-        calls.append(("heartbeat", [REPLICAS_KEY], [adm.replica_id, adm.timing.waiter_ttl_ms]))
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
         if self._accounts is None:
             self._accounts = AccountKeeper(adm, self.interval_s)
         accounts = self._accounts.batch(self._rounds)
-        calls += accounts.calls
+        # The heartbeat after the accounts' keeps: its mark vouches for them.
+        beat, mark = self._accounts.heartbeat(REPLICAS_KEY)
+        calls += [*accounts.calls, beat]
         started, starts = adm.preemptions.unheard()
         calls += starts
         orphan_models, orphan_accounts = holdings.orphans_by_model()
@@ -202,6 +205,7 @@ class Keeper:
             started,
             sent,
             accounts,
+            mark,
         )
 
     def _sweeps(
@@ -272,12 +276,12 @@ class Keeper:
                 work.unknown.append(part)
         self._saw_models(found_parts, now)
         at = len(work.models)
-        if not isinstance(replies[at], Exception):
-            self._beat(replies[at])
         calls = len(work.accounts.calls) if work.accounts is not None else 0
         if work.accounts is not None and self._accounts is not None:
-            self._accounts.answered(work.accounts, replies[at + 1 : at + 1 + calls])
-        at += 1 + calls
+            self._accounts.answered(work.accounts, replies[at : at + calls])
+        at += calls
+        self._beat(work.mark, replies[at])
+        at += 1
         adm.preemptions.heard(work.started, replies[at : at + len(work.started)])
         tail = replies[len(replies) - work.orphan_calls :] if work.orphan_calls else []
         reads = tail[len(tail) - len(work.reserved) :] if work.reserved else []
@@ -299,13 +303,13 @@ class Keeper:
         self.admission.handback.recheck(found.restored, part)
         self._waiters(part, sent, named, found)
 
-    def _beat(self, reply: Any) -> None:
-        """The heartbeat's answer: whether Redis had lost this replica, and the live ones."""
-        gone, replicas = reply
-        if int(gone) == 1 and self._heartbeat_answered and self._accounts is not None:
-            self._accounts.keeps.lost()  # Redis restarted empty, or failed over far behind
-        self._heartbeat_answered = True
-        self.admission.local.saw([text(r) for r in replicas])
+    def _beat(self, mark: str, reply: Any) -> None:
+        """The heartbeat's answer: whether Redis lost writes (the accounts' keeps), and the
+        live replicas."""
+        if self._accounts is not None:
+            self._accounts.answered_beat(mark, reply)
+        if not isinstance(reply, Exception):
+            self.admission.local.saw([text(r) for r in reply[1]])
 
     def _saw_models(self, found: dict[str, Sweep], now: float) -> None:
         """Each model's state, its partitions' summed, when the sweep read them all; the

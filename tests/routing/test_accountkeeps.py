@@ -94,3 +94,22 @@ def test_an_account_is_due_a_third_of_the_ttl_after_its_last_keep_however_late_t
     assert keys(keeps, entries, RECENT) == []
     assert keeps.due(entries, RECENT, 9.9)[0] == []
     assert keeps.due(entries, RECENT, 10.0)[0] == [("a", ["1"], True)]  # 4 rounds, 10 s
+
+
+def test_a_heartbeat_that_misses_the_last_mark_keeps_every_account_next() -> None:
+    keeps = AccountKeeps(every=10)
+    entries = {"a": ["1"], "b": ["2"]}
+    keep_all(keeps, entries, 0)
+    keeps.beat("1", None)  # the first: nothing to find yet
+    assert not keeps.wants_all()
+    keeps.beat("2", "1")
+    assert not keeps.wants_all()
+    keeps.beat("3", "1")  # the mark of "2" is gone: Redis lost writes, keeps perhaps
+    assert keeps.wants_all()
+    keep_all(keeps, entries, 1)
+    keeps.beat("4", "3")
+    assert not keeps.wants_all()
+    keeps.lost()  # a round not answered: its mark not known, not looked for
+    keep_all(keeps, entries, 2)
+    keeps.beat("6", "5")
+    assert not keeps.wants_all()
