@@ -9,8 +9,9 @@ so no error ever ends one for good).
   alive in each model (so its waiters stay queued); forgets ids whose state is in doubt;
   and reads each model's in-flight and queue depth for metrics and the rate of freed slots
   for Retry-After. It names this replica's waiters (each queued again at its original
-  place if Redis lost it, its grant claimed if its wake-up was lost) only when they may
-  have been lost (`_naming`), and every NAME_EVERY rounds: a waiter costs nothing between.
+  place if Redis lost it, its grant claimed if its wake-up was lost) once after each
+  queued, and all only when they may have been lost (routing/admission/naming.py): a
+  waiter costs nothing between.
 - A spool round (about a second, its own loop) sends spooled usage records, adopts those
   of gone processes, and trims the stream (routing/ledger/records.py).
 """
@@ -27,9 +28,9 @@ import redis.asyncio as aioredis
 
 from routing.admission.accountkeeps import AccountKeeper, Batch
 from routing.admission.admit import Admission
+from routing.admission.naming import Naming
 from routing.admission.replies import ModelState, Sweep, sweep_result
 from routing.admission.reserved import RESERVED_EVERY, ReservedTokens
-from routing.admission.timing import NAME_EVERY
 from routing.admission.wakeups import Wakeups
 from routing.background import BackgroundErrors, every
 from routing.ledger.spool import UsageSpool
@@ -88,18 +89,15 @@ class Keeper:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # The store's moves to another master already answered (routing/ledger/recent.py).
     _moves: int = 0
-    _named_moves: int = 0
     # Which accounts' entries each round keeps (not all at every round), and how.
     _accounts: AccountKeeper | None = None
-    # Wake-ups by message, and how many times their subscription started that the sweeps
-    # have answered (`_naming`).
+    # Wake-ups by message, and which waiters each round names.
     wakeups: Wakeups = field(init=False)
-    _gaps: int = 0
-    # The next this many rounds name every waiter (a round failed: Redis may have lost them).
-    _name_next: int = 0
+    naming: Naming = field(init=False)
 
     def __post_init__(self) -> None:
         self.wakeups = Wakeups(self.admission.waiting, self.admission.preemptions)
+        self.naming = Naming(self.wakeups, self.admission.timing.waiter_ttl_ms)
         self.tokens = ReservedTokens(self.admission)
 
     @property
@@ -137,8 +135,7 @@ class Keeper:
 
     async def sweep_once(self) -> None:
         work = self._round()
-        due = self._name_next
-        self._name_next = max(due, 1)  # a round that fails: Redis may have lost waiters unseen
+        due = self.naming.guard()
         try:
             replies = await self.admission.scripts.send(self.admission.store, work.calls)
         except BaseException:
@@ -169,7 +166,7 @@ class Keeper:
             self._accounts.answered_beat(mark, replies[-1])
             if (error := first_error(replies)) is not None:
                 raise error
-        self._name_next = due
+        self.naming.ended(due)
 
     def _round(self) -> _Round:
         adm = self.admission
@@ -177,7 +174,8 @@ class Keeper:
         holdings = adm.holdings
         models = list(adm.slots)
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
-        waiters = holdings.waiters_by_model() if self._naming() else {}
+        moves = adm.store.moves or 0
+        waiters = self.naming.choose(self._rounds, holdings.waiters_by_model(), moves)
         calls = [*indexes.values(), *self._sweeps(models, waiters)]
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
         if self._accounts is None:
@@ -215,31 +213,13 @@ class Keeper:
         lease not held here yet (counted as its own if they do: the local outage shares)."""
         holdings, slots = self.admission.holdings, self.admission.slots
         leases, pending = holdings.leases_by_model(), holdings.pending_by_model()
-        replica = self.admission.replica_id
+        replica, alive = self.admission.replica_id, self.naming.alive
         return [
-            slots[m].sweep(leases.get(m, []), waiters.get(m, []), pending.get(m, []), replica)
+            slots[m].sweep(
+                leases.get(m, []), waiters.get(m, []), pending.get(m, []), replica, alive(m)
+            )
             for m in models
         ]
-
-    def _naming(self) -> bool:
-        """Whether this round names every waiter: every NAME_EVERY rounds (a subscription
-        broken unseen loses wake-ups; their `qexp` backup is renewed), after a round that
-        failed, while the subscription is down (a break backs off for seconds: every
-        wake-up is lost, a grant would go back at its claim time) and after it started
-        (again), and after the store moved to another master (each may have lost waiters
-        or their wake-ups)."""
-        gaps, moves = self.wakeups.gaps, self.admission.store.moves or 0
-        name = (self._rounds % NAME_EVERY == 0 or self._name_next > 0 or gaps != self._gaps
-                or moves != self._named_moves or not self.wakeups.listening)  # fmt: skip
-        if gaps != self._gaps:
-            # One round more: a grant published before the subscription was made in
-            # Redis may come after the round's sweep ran.
-            self._name_next = max(self._name_next, 2)
-        if moves != self._named_moves:
-            self.wakeups.moved()
-        self._gaps, self._named_moves = gaps, moves
-        self._name_next = max(0, self._name_next - 1)
-        return name
 
     async def _name_now(self, parts: Sequence[str]) -> None:
         """Redis did not know this replica alive in these partitions (it lost them, or
@@ -300,6 +280,7 @@ class Keeper:
         slots.saw(found.state.version)
         slots.seen_queue = found.state.queued
         self.wakeups.saw_clock(slots.channel, sent, found.clock_ms)
+        self.naming.swept(part, found.clock_ms)
         self.admission.handback.recheck(found.restored, part)
         self._waiters(part, sent, named, found)
 

@@ -246,7 +246,7 @@ class ModelSlots:
         t = self._timing
         role = self._roles[tier.rank]
         packed = (
-            f"{int(may_wait)} {self.max_queue} {t.hold_ms} {int(self.known)} {t.rebuild_ms} "
+            f"{int(may_wait)} {self.max_queue} {t.waiter_ttl_ms} {int(self.known)} {t.rebuild_ms} "
             f"{'-' if max_turn is None else max_turn} {int(at_head)} {int(role == 'p')} "
             + self._pump_spec
         )
@@ -288,14 +288,18 @@ class ModelSlots:
         waiters: Sequence[tuple[str, int]],
         pending: Sequence[str] = (),
         replica: str = "",
+        alive: int | None = None,
     ) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
         it has queued (id, place) when it names them (not at every sweep: `Sweep.name`),
         and `pending` ids that may hold a lease it does not hold yet (counted as its own if
         they do: `Sweep.mine`). `replica`: its id, kept alive in the model (its waiters stay
-        queued while it is: prelude.lua `bury`); '' for none (every waiter named)."""
+        queued while it is: prelude.lua `bury`); '' for none (every waiter named).
+        `alive`: the score its last sweep answered wrote there (`Sweep.alive`), if known:
+        any other found says Redis lost writes since, and its waiters are named at once."""
         t = self._timing
-        args: list[Any] = [t.lease_ttl_ms, t.hold_ms, self._pump_spec, len(leases)]
+        last = "" if alive is None else alive
+        args: list[Any] = [t.lease_ttl_ms, last, self._pump_spec, len(leases)]
         for pair in leases:
             args += pair
         args.append(len(waiters))

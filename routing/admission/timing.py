@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A replica's sweeps name its waiters (liveness backed up, lost wake-ups claimed) every this
-# many rounds even with no sign of a loss (a subscription broken unseen), and whenever Redis
-# may have lost them (routing/admission/keeper.py); between, a waiter costs them nothing.
-NAME_EVERY = 5
+# A replica's sweeps name each of its waiters once, at the first sweep after it queued,
+# whenever Redis may have lost them (routing/admission/keeper.py), and every this many
+# rounds anyway: a last net for what no sign shows (a key evicted, a subscription that
+# broke without a word and before its probe saw it: routing/admission/wakeups.py).
+NAME_EVERY = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +43,6 @@ class Timing:
     trust_ms: int = 0
     # The longest a Redis call may take before it counts as an outage.
     command_timeout_ms: int = 0
-    # A waiter's entry in `qexp`, which backs its replica's liveness up (prelude.lua
-    # `bury`), lasts this long from its queueing or the last sweep that named it: over
-    # NAME_EVERY sweeps and the waiter TTL. 0: the waiter TTL.
-    waiter_hold_ms: int = 0
-
-    @property
-    def hold_ms(self) -> int:
-        return self.waiter_hold_ms or self.waiter_ttl_ms
 
     @classmethod
     def of(cls, lease_ttl_s: float, sweep_interval_s: float, command_timeout_s: float) -> Timing:
@@ -64,5 +57,4 @@ class Timing:
             sweep_ms * 3 // 2 + timeout_ms,
             max(0, claim_ms - sweep_ms - 2 * timeout_ms),
             timeout_ms,
-            NAME_EVERY * (sweep_ms + timeout_ms) + waiter_ttl_ms,
         )

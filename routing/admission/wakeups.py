@@ -10,13 +10,18 @@ found its waiter queued, as before.
 
 The subscription is the only way wake-ups come between the sweeps that name the waiters, so
 each time it starts (first, or again after it broke and wake-ups may have been lost) the
-keeper's next sweeps name them (`gaps`).
+keeper's next sweeps name them (`gaps`). A connection can also stop without a word (a host
+gone, a network that drops everything, a Redis stalled): the subscription pings Redis every
+PROBE_EVERY_S, and one that has not heard the answer within PROBE_LIMIT_S breaks and starts
+again, so its waiters are named within seconds (routing/admission/naming.py), well within
+a grant's claim time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -25,6 +30,42 @@ from routing.admission.preemption import Preemptions
 from routing.admission.waiting import Waiting
 from routing.store.scripts import STORE_ERRORS
 from routing.store.wire import text
+
+# How often the subscription asks Redis for a word (PING), and how long it waits for one
+# before it counts as broken: a grant whose wake-up was lost meanwhile is claimed by the
+# sweeps that name the waiters once it starts again, within the claim time (at least 3 s
+# past the sweep after the grant, routing/admission/timing.py).
+PROBE_EVERY_S = 1.0
+PROBE_LIMIT_S = 3.0
+
+
+class SubscriptionSilent(ConnectionError):
+    """The subscription's connection did not answer a ping in time."""
+
+
+class Probe:
+    """When the subscription pings, and whether it heard back in time."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._sent: float | None = None  # an unanswered ping's time
+        self._last = clock()  # the last ping's time
+
+    def heard(self) -> None:
+        """A word came (the answer to a ping, or any message): the connection delivers."""
+        self._sent = None
+
+    def due(self) -> bool:
+        """Whether to ping now; raises once a ping went unanswered for PROBE_LIMIT_S."""
+        now = self.clock()
+        if self._sent is not None:
+            if now - self._sent > PROBE_LIMIT_S:
+                raise SubscriptionSilent(f"no answer to a ping within {PROBE_LIMIT_S:g} s")
+            return False
+        if now - self._last < PROBE_EVERY_S:
+            return False
+        self._sent = self._last = now
+        return True
 
 
 class Wakeups:
@@ -60,10 +101,15 @@ class Wakeups:
             await pubsub.subscribe(*channels)
             self.gaps += 1  # wake-ups from before it may be lost: the sweeps look
             self.listening = True
+            probe = Probe(asyncio.get_running_loop().time)
             while True:
-                message = await pubsub.get_message(timeout=5.0)
+                message = await pubsub.get_message(timeout=PROBE_EVERY_S)
                 if message is not None:
-                    self.on_message(message)
+                    probe.heard()
+                    if message.get("type") != "pong":
+                        self.on_message(message)
+                if probe.due():
+                    await pubsub.ping()
         finally:
             self.listening = False
             # Bounded: redis-py's close of a pub/sub interrupted mid-read can hang.

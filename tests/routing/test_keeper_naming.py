@@ -1,7 +1,7 @@
-"""When the keeper's sweeps name this replica's waiters (routing/admission/keeper.py
-`_naming`): every NAME_EVERY rounds, and at once when Redis may have lost them; between,
-a waiter costs the sweeps nothing, and a wake-up is trusted by the time its grant says
-(routing/admission/wakeups.py). Against the run's Redis."""
+"""When the keeper's sweeps name this replica's waiters (routing/admission/naming.py): once
+at the round after each queued, all every NAME_EVERY rounds and at once when Redis may have
+lost them; between, a waiter costs the sweeps nothing, and a wake-up is trusted by the time
+its grant says (routing/admission/wakeups.py). Against the run's Redis."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ async def a_waiter(fleet: Fleet, *, listen: bool = False) -> Scene:
 
 def not_naming(keeper: Keeper) -> None:
     """The keeper as between namings: its subscription's start answered, no round due."""
-    keeper._gaps, keeper._name_next = keeper.wakeups.gaps, 0
+    keeper.naming._gaps, keeper.naming._next = keeper.wakeups.gaps, 0
     keeper.wakeups.listening = True
     keeper._rounds = 1
 
@@ -267,6 +267,7 @@ async def test_a_wake_up_read_at_once_is_trusted_after_a_long_wait_no_sweep_name
     named = Named(waiting)
     held = await fill(fleet, holder, "two", 2)
     task, waiter_id = await queued_waiter(fleet, waiting, named)
+    await bounded(keeper.sweep_once())  # names it once (the round after it queued)
     later_s = 2 * waiting.timing.claim_ms / 1000
     waiting.waiting.clock = lambda: time.monotonic() + later_s  # waited that much longer
     not_naming(keeper)

@@ -24,9 +24,12 @@ def waiter(replica: str, n: int, account: str = "acct") -> str:
     return make_lease_id(f"{replica}-{n}", 1.0, account)
 
 
-async def sweep(m: Model, replica: str, waiters: list[tuple[str, int]] | None = None) -> Sweep:
-    """`replica`'s sweep of the model, naming `waiters` (id, place) if given."""
-    reply = await m.run(m.slots.sweep([], waiters or [], [], replica))
+async def sweep(
+    m: Model, replica: str, waiters: list[tuple[str, int]] | None = None, alive: int | None = None
+) -> Sweep:
+    """`replica`'s sweep of the model, naming `waiters` (id, place) if given; `alive`: the
+    score its last sweep wrote, if known."""
+    reply = await m.run(m.slots.sweep([], waiters or [], [], replica, alive))
     return sweep_result(reply)
 
 
@@ -90,7 +93,7 @@ async def test_a_replica_back_after_its_waiters_left_is_told_to_name_them(
     later = waiter("r2", 0)
     places = await queue_up(m, mine)
     first = await sweep(m, "r1")
-    assert first.name  # never seen alive before: it names what it holds (nothing yet)
+    assert not first.name  # its acquires wrote it alive (prelude `live`): nothing was lost
     assert not (await sweep(m, "r1")).name
     await bury_now(m, "r1")
     await sweep(m, "r2")
@@ -103,6 +106,45 @@ async def test_a_replica_back_after_its_waiters_left_is_told_to_name_them(
     assert await m.queue() == [*mine, later]
     assert not (await sweep(m, "r1")).name
     await m.release(*mine, later, "l1", "l2")
+
+
+async def test_a_replica_killed_before_its_first_sweep_leaves_no_waiter_behind(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Its acquires wrote it alive for the waiter TTL (it never swept the model): once that
+    is past, another replica's sweep takes its waiters out. A waiter writes nothing of its
+    own: `qexp` stays empty."""
+    m = Model(real_redis, slots(max_queue=100))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    mine = [waiter("r1", n) for n in range(3)]
+    await queue_up(m, mine)
+    assert await real_redis.zcard(m.slots.keys[_key("qexp")]) == 0
+    ttl = m.slots._timing.waiter_ttl_ms
+    alive = m.slots.keys[_key("alive")]
+    assert 0 < await real_redis.pttl(alive) <= 10 * ttl
+    await sweep(m, "r2")
+    assert await m.queue() == mine  # alive still
+    await bury_now(m, "r1")  # killed: its word runs out
+    await sweep(m, "r2")
+    assert await m.queue() == []
+    await m.release("l1", "l2")
+
+
+async def test_a_sweep_that_does_not_find_its_last_score_names_the_waiters(
+    real_redis: aioredis.Redis,
+) -> None:
+    """The score a sweep wrote in `alive`, found by the next, says nothing written before
+    was lost; another score (a failover lost that sweep: an older one is there) says to
+    name every waiter."""
+    m = Model(real_redis, slots(max_queue=100))
+    ttl = m.slots._timing.waiter_ttl_ms
+    first = await sweep(m, "r1")
+    second = await sweep(m, "r1", alive=first.clock_ms + ttl)
+    assert not second.name
+    lagged = await sweep(m, "r1", alive=second.clock_ms + ttl + 1)  # not what Redis holds
+    assert lagged.name
+    assert not (await sweep(m, "r1", alive=lagged.clock_ms + ttl)).name
 
 
 async def test_redis_restarted_empty_tells_every_replica_to_name_its_waiters(

@@ -14,6 +14,7 @@ from redis.exceptions import ResponseError
 
 from routing.store.wire import text
 from tests.routing.test_admission import Fleet, bounded, fill, intercept, release_all
+from tests.routing.test_keeper_accounts import restore, snapshot
 from tests.routing.test_keeper_naming import (
     LOSSES,
     Named,
@@ -90,3 +91,50 @@ async def test_naming_at_once_keeps_the_round_owed_to_a_new_subscription(
     owed = scene.waiter_id in scene.named.rounds[-1]
     await scene.end(fleet)
     assert owed, "the round owed to the new subscription named nobody"
+
+
+async def test_a_new_waiter_is_named_once_at_the_next_round(fleet: Fleet) -> None:
+    """A waiter queued between namings of every waiter is named by the round after, once:
+    what a failover may lose unseen is what was queued since the last sweep."""
+    scene = await a_waiter(fleet)  # its first round named it
+    keeper, named = scene.keeper, scene.named
+    not_naming(keeper)
+    await bounded(keeper.sweep_once())
+    assert scene.waiter_id not in named.rounds[-1]
+    task, second = await queued_waiter(fleet, scene.waiting, named)
+    await bounded(keeper.sweep_once())
+    assert named.rounds[-1] == {second}
+    await bounded(keeper.sweep_once())
+    assert named.rounds[-1] == set()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await scene.end(fleet)
+
+
+@pytest.mark.parametrize("lagged", ["before the new waiter's round", "before its acquire"])
+async def test_a_failover_that_lost_the_last_writes_has_the_new_waiter_queued_again(
+    fleet: Fleet, real_redis: aioredis.Redis, lagged: str
+) -> None:
+    """A failover to a replica that lagged behind: Redis lost a new waiter's place, and
+    perhaps the sweep that named it, but still knows this replica alive by an older sweep.
+    The next round finds its last score missing (it names every waiter at once), or the
+    waiter new since: the waiter is queued again at its place, first."""
+    scene = await a_waiter(fleet)
+    keeper, named = scene.keeper, scene.named
+    not_naming(keeper)
+    await bounded(keeper.sweep_once())
+    lagged_state = await snapshot(real_redis)  # what the replica that takes over holds
+    task, second = await queued_waiter(fleet, scene.waiting, named)
+    if lagged == "before the new waiter's round":
+        await bounded(keeper.sweep_once())  # names it, writes this replica alive again
+    await restore(real_redis, lagged_state)  # the failover
+    assert second not in await queue_of(real_redis)
+    await bounded(keeper.sweep_once())
+    assert await queue_of(real_redis) == [scene.waiter_id, second]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await scene.end(fleet)
+
+
+async def queue_of(client: aioredis.Redis) -> list[str]:
+    return [text(m) for m in await client.zrange("gw:{two}:queue", 0, -1)]

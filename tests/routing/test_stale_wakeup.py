@@ -62,10 +62,10 @@ async def test_a_stale_timed_wake_up_read_after_a_sweep_found_its_waiter_queued_
     assert other.lease.endpoint == held[0].endpoint
     stopped_s = 2 * waiting.timing.claim_ms / 1000
     waiting.waiting.clock = lambda: time.monotonic() + stopped_s  # resumed
-    keeper._name_next = 1
+    keeper.naming._next = 1
     await bounded(keeper.sweep_once())  # queues it again at its place, as lost
     assert await fleet.queued("two") == 1
-    keeper._name_next = 1
+    keeper.naming._next = 1
     await bounded(keeper.sweep_once())  # finds it queued
     keeper.wakeups.on_message(message)  # the backlog's old wake-up, read now
     await asyncio.sleep(0.1)
@@ -76,7 +76,7 @@ async def test_a_stale_timed_wake_up_read_after_a_sweep_found_its_waiter_queued_
     assert not task.done()  # it waits on, at its place
     await real_redis.delete("gw:{two}:rebuild")  # the window its queueing again opened, over
     await bounded(holder.release(other.lease))  # its next grant, found by a sweep
-    keeper._name_next = 1
+    keeper.naming._next = 1
     await bounded(keeper.sweep_once())
     admitted: Admitted = await bounded(task)
     assert admitted.lease.endpoint == held[0].endpoint

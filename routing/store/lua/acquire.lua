@@ -7,8 +7,9 @@
 --       (prelude: `seat`; k small and fixed, 0 without affinity: the endpoints themselves
 --       are in Redis, not passed), then in one argument "may_wait (0|1) max_queue
 --       waiter_ttl_ms known rebuild_ms max_turn at_head (0|1) may_preempt (0|1)" and the
---       spec (prelude: `parse_spec`) (known: this replica has seen the model's state
---       before, 0|1, see `lost`; max_turn: the most grants it may wait behind to meet its
+--       spec (prelude: `parse_spec`) (waiter_ttl_ms: how long its replica's waiters stay
+--       queued without its next sweep, prelude `live`; known: this replica has seen the
+--       model's state before, 0|1, see `lost`; max_turn: the most grants it may wait behind to meet its
 --       deadline, '-' for none; at_head: a preempted request queued again before its tier's
 --       waiters); with ACCOUNT, then the account's limit. The id carries its account,
 --       weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
@@ -131,5 +132,5 @@ if not preempted and max_turn and turn > max_turn then
 end
 local seq = at_head and head_seq(rank) or tostring(redis.call('INCR', SEQ))
 enqueue(id, rank, seq, not at_head and own or nil)
-redis.call('ZADD', QEXP, now + tonumber(waiter_ttl), id)
+live(id, now, tonumber(waiter_ttl))
 return {2, '', 0, ahead, preempted and -tonumber(seq) or tonumber(seq), 0, turn}

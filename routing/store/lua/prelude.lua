@@ -38,8 +38,12 @@
 --          every change of the queue keeps and every sweep sets from the queue itself;
 --          `~m`: the tiers' ways of sharing the fair indexes were last scored by (sweep.lua)
 -- seq      STRING queue sequence
--- qexp     ZSET waiter_id -> liveness expiry (ms): its replica's sweep extends it, so the
---          waiters of a dead replica leave the queue within the waiter TTL
+-- qexp     ZSET waiter_id -> liveness expiry (ms), of the waiters of a release before this
+--          one (its sweeps extend it, so they leave the queue within its TTL once their
+--          replica died); this release's waiters live by their replica (`alive`, `live`)
+-- alive    ZSET replica -> when the liveness its last sweep of the model gave its waiters
+--          ends (`bury`); gone: HASH replica -> how far the look for a dead one's waiters
+--          has reached
 -- rebuild  STRING, present for a short while after Redis lost this model's state: no slot
 --          is granted until every replica has written back its own
 -- wake     the channel granted waiters are woken on ("id endpoint"), and the holders of
@@ -746,6 +750,28 @@ local function bury(now, waiting, me)
       end
       budget = budget - #found / 2
     end
+  end
+end
+
+-- The replica a waiter's id names ("<replica>-<n>~...", routing/admission/slots.py), or nil.
+local function replica_of(id)
+  return string.match(id, '^(.-)%-%d+~')
+end
+
+-- A waiter of this release lives by its replica (`bury`), whose sweeps keep it alive in
+-- `alive`: no entry of its own, nothing written or renewed per waiter. Where Redis does not
+-- know the replica there yet (its first sweep of the model is still to come: a start, a
+-- model a reload added, a Redis that lost it), its acquire writes it, so a replica killed
+-- before that sweep leaves no waiter behind past `ttl`. A sweep that finds another score
+-- than its last one wrote names its waiters (sweep.lua): nothing a loss took goes unseen.
+-- An id that names no replica (never this release's) has its own entry in `qexp`, as the
+-- release before gave each waiter.
+local function live(id, now, ttl)
+  local me = replica_of(id)
+  if not me then
+    redis.call('ZADD', QEXP, now + ttl, id)
+  elseif redis.call('ZADD', ALIVE, 'NX', now + ttl, me) == 1 then
+    redis.call('PEXPIRE', ALIVE, 10 * ttl)
   end
 end
 

@@ -6,8 +6,9 @@
 --     or their wake-ups), re-queue those Redis lost (original place), and claim those
 --     granted meanwhile (a wake-up message may have been lost);
 --  4. hand free slots on; 5. report the model's state.
--- KEYS: 1 the model's leases (prelude). ARGV: 1 ttl_ms, 2 how long a named waiter's `qexp`
---       entry lasts (its backup liveness), 3 the spec (prelude: `parse_spec`),
+-- KEYS: 1 the model's leases (prelude). ARGV: 1 ttl_ms, 2 the score this replica's last
+--       sweep of the model answered wrote in `alive` ('' when not known), 3 the spec
+--       (prelude: `parse_spec`),
 --       then n and n lease_id/endpoint pairs, then m and m waiter_id/score pairs, then
 --       rebuild_ms: how long grants pause once this sweep had to write anything back,
 --       known (0|1: this replica has seen the model's state before), then r and r endpoint
@@ -23,9 +24,11 @@
 --          written back, its waiters' grants and the pending ids' leases: read in the same
 --          instant as inflight, for the local outage shares), the waiters queued again at
 --          their place as lost (neither queued nor granted: a grant they had is gone),
---          {1 if this replica's waiters are to be named now (Redis did not know it alive:
---          it restarted empty, failed over, or the replica was away past the waiter TTL and
---          its waiters left the queue), Redis's clock in ms (for the wake-ups' times)}}.
+--          {1 if this replica's waiters are to be named now (Redis did not know it alive, or
+--          not by its last sweep's word: it restarted empty, failed over and lost writes, or
+--          the replica was away past the waiter TTL and its waiters left the queue), Redis's
+--          clock in ms (for the wake-ups' times; its `alive` score is that + the waiter
+--          TTL)}}.
 -- Its cost grows with what this replica holds (its waiters only when it names them) and
 -- with the endpoints only while nothing is held at all (the loads' mend, below), never with
 -- the queue of other replicas but once for each replica that died (prelude `bury`, at most
@@ -122,7 +125,10 @@ local me = ARGV[pending + (tonumber(ARGV[pending]) or 0) + 1]
 local was = me and redis.call('ZSCORE', ALIVE, me)
 expire(now, waiting, me)
 local marker = redis.call('HGET', EP_LOAD, '~s')
-local ttl, wttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ttl = tonumber(ARGV[1])
+-- How long this replica's waiters stay queued without its next sweep (the waiter TTL; from
+-- a caller that names no replica, at least 3 s: `live` gives its waiters their own entry).
+local wttl = tonumber(ARGV[pending + (tonumber(ARGV[pending]) or 0) + 2]) or 3000
 local at = 4
 local tail = at + 2 * tonumber(ARGV[at]) + 1
 tail = tail + 2 * tonumber(ARGV[tail]) + 1
@@ -158,9 +164,11 @@ local mine = n
 -- written back without that (it expired: this replica's sweeps were late; a failover lost
 -- it) says nothing of a waiter's grant, found only so (no `ep_of` for it).
 local scan = not fresh
--- Its waiters: their places read, and the liveness of those still queued kept, in one call
--- per 1,000 each (ZMSCORE, ZADD XX), not three calls per waiter; one not queued was granted
--- meanwhile (its lease is kept and its endpoint said) or lost (queued again at its place).
+-- Its waiters named: their places read in one call per 1,000 (ZMSCORE); one not queued was
+-- granted meanwhile (its lease is kept and its endpoint said) or lost (queued again at its
+-- place). One still queued lives by this replica (`alive`, prelude `live`); an entry of its
+-- own in `qexp` (an id that names no replica) is kept for the waiter TTL (ZADD XX: no
+-- entry, nothing written).
 local ids, keep = {}, {}
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do ids[#ids + 1] = ARGV[i] end
 local places = scores_of(QUEUE, ids)
@@ -184,7 +192,7 @@ for j, id in ipairs(ids) do
     place = ARGV[at + 2 * j]
     local rank, seq = math.floor(tonumber(place) / RANK), tonumber(place) % RANK
     enqueue(id, rank, score(seq))
-    redis.call('ZADD', QEXP, alive, id)
+    live(id, now, wttl)
     if tonumber(redis.call('GET', SEQ) or '0') < seq then redis.call('SET', SEQ, seq) end
   end
 end
@@ -255,14 +263,19 @@ for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] en
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
 -- This replica alive: its waiters stay queued for the waiter TTL from now (and the key a
--- while longer, then gone with the replicas that stopped). Not known alive (`was`): its
--- waiters are to be named now (Redis lost them, or `bury` took them out).
+-- while longer, then gone with the replicas that stopped). Not known alive (`was`), or not
+-- by the score its last sweep wrote: its waiters are to be named now (Redis lost them, or
+-- `bury` took them out). Redis applies writes in order, and a replica of it copies them
+-- so: that score there means nothing written before that sweep was lost, so only the
+-- waiters queued since (which the replica names once, at its next sweep) may be.
 local name = 0
 if me then
-  local wttl = tonumber(ARGV[pending + np + 2])
   redis.call('ZADD', ALIVE, now + wttl, me)
   redis.call('HDEL', GONE, me)
   redis.call('PEXPIRE', ALIVE, 10 * wttl)
-  if not was or tonumber(was) < now or fresh then name = 1 end
+  local last = tonumber(ARGV[2])
+  if not was or tonumber(was) < now or fresh or (last and tonumber(was) ~= last) then
+    name = 1
+  end
 end
 return {state, restored, granted, mine, requeued, {name, now}}
