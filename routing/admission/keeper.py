@@ -71,6 +71,8 @@ class _Round:
     mark: str = ""
     # The partitions whose sweep found Redis did not know this replica alive there.
     unknown: list[str] = field(default_factory=list)
+    # The round named every waiter (else only those new since the last round, if any).
+    every: bool = False
 
 
 @dataclass
@@ -175,7 +177,7 @@ class Keeper:
         models = list(adm.slots)
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
         moves = adm.store.moves or 0
-        waiters = self.naming.choose(self._rounds, holdings.waiters_by_model(), moves)
+        every, waiters = self.naming.choose(self._rounds, holdings.waiters_by_model(), moves)
         calls = [*indexes.values(), *self._sweeps(models, waiters)]
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
         if self._accounts is None:
@@ -204,6 +206,7 @@ class Keeper:
             sent,
             accounts,
             mark,
+            every=every,
         )
 
     def _sweeps(
@@ -252,7 +255,7 @@ class Keeper:
                 continue
             found_parts[part] = found = sweep_result(reply)
             self._swept(part, work.sent, work.waiters.get(part, []), found)
-            if found.name and part not in work.waiters:
+            if found.name and not work.every:  # (those new alone were named)
                 work.unknown.append(part)
         self._saw_models(found_parts, now)
         at = len(work.models)

@@ -37,14 +37,16 @@ class Naming:
         self._named: set[tuple[str, int]] = set()  # (waiter, place) a sweep sent named
         self._alive: dict[str, int] = {}  # partition -> the `alive` score its last sweep wrote
 
-    def choose(self, round_: int, waiters: Waiters, moves: int) -> dict[str, list[tuple[str, int]]]:
-        """The waiters round `round_` names, per partition, of this replica's `waiters`;
-        `moves`: the store's moves to another master so far."""
+    def choose(
+        self, round_: int, waiters: Waiters, moves: int
+    ) -> tuple[bool, dict[str, list[tuple[str, int]]]]:
+        """Whether round `round_` names every waiter, and those it names, per partition, of
+        this replica's `waiters`; `moves`: the store's moves to another master so far."""
         every = self._every(round_, moves)
         named = self._named
         chosen = {part: [w for w in ws if every or w not in named] for part, ws in waiters.items()}
         self._named = {w for ws in waiters.values() for w in ws}
-        return {part: ws for part, ws in chosen.items() if ws}
+        return every, {part: ws for part, ws in chosen.items() if ws}
 
     def _every(self, round_: int, moves: int) -> bool:
         gaps = self.wakeups.gaps

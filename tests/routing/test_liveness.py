@@ -120,14 +120,33 @@ async def test_a_replica_killed_before_its_first_sweep_leaves_no_waiter_behind(
     mine = [waiter("r1", n) for n in range(3)]
     await queue_up(m, mine)
     assert await real_redis.zcard(m.slots.keys[_key("qexp")]) == 0
-    ttl = m.slots._timing.waiter_ttl_ms
-    alive = m.slots.keys[_key("alive")]
-    assert 0 < await real_redis.pttl(alive) <= 10 * ttl
     await sweep(m, "r2")
     assert await m.queue() == mine  # alive still
     await bury_now(m, "r1")  # killed: its word runs out
     await sweep(m, "r2")
     assert await m.queue() == []
+    await m.release("l1", "l2")
+
+
+async def test_the_replicas_word_lasts_while_anyone_waits_though_every_replica_is_gone(
+    real_redis: aioredis.Redis,
+) -> None:
+    """Every replica gone longer than the key's own life (a crash loop, a redeploy): their
+    entries in `alive` must still be there for the next replica's sweep to find their
+    waiters by; once nobody waits, the key expires."""
+    m = Model(real_redis, slots(max_queue=100))
+    await m.acquire("l1")
+    await m.acquire("l2")
+    mine = [waiter("r1", n) for n in range(2)]
+    await queue_up(m, mine)
+    alive = m.slots.keys[_key("alive")]
+    await sweep(m, "r1")
+    assert await real_redis.pttl(alive) == -1  # no expiry while anyone waits
+    await bury_now(m, "r1")  # r1 died; nothing swept for long
+    await sweep(m, "r2")
+    assert await m.queue() == []
+    await sweep(m, "r2")
+    assert 0 < await real_redis.pttl(alive) <= 10 * m.slots._timing.waiter_ttl_ms
     await m.release("l1", "l2")
 
 

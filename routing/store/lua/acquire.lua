@@ -9,10 +9,11 @@
 --       waiter_ttl_ms known rebuild_ms max_turn at_head (0|1) may_preempt (0|1)" and the
 --       spec (prelude: `parse_spec`) (waiter_ttl_ms: how long its replica's waiters stay
 --       queued without its next sweep, prelude `live`; known: this replica has seen the
---       model's state before, 0|1, see `lost`; max_turn: the most grants it may wait behind to meet its
---       deadline, '-' for none; at_head: a preempted request queued again before its tier's
---       waiters); with ACCOUNT, then the account's limit. The id carries its account,
---       weight and the tokens it reserves (prelude: `account_of`, `tokens_of`).
+--       model's state before, 0|1, see `lost`; max_turn: the most grants it may wait behind
+--       to meet its deadline, '-' for none; at_head: a preempted request queued again
+--       before its tier's waiters); with ACCOUNT, then the account's limit. The id
+--       carries its account, weight and the tokens it reserves (prelude: `account_of`,
+--       `tokens_of`).
 -- The common case reads only the first seven and the preferred: an argument costs a script
 -- about 170 ns whether it reads it or not, so the others come packed.
 -- Returns, when granted, the endpoint (a string: a table reply costs Redis about 1.5 usec

@@ -770,8 +770,8 @@ local function live(id, now, ttl)
   local me = replica_of(id)
   if not me then
     redis.call('ZADD', QEXP, now + ttl, id)
-  elseif redis.call('ZADD', ALIVE, 'NX', now + ttl, me) == 1 then
-    redis.call('PEXPIRE', ALIVE, 10 * ttl)
+  else
+    redis.call('ZADD', ALIVE, 'NX', now + ttl, me)  -- (no expiry while anyone waits: sweep.lua)
   end
 end
 

@@ -272,7 +272,14 @@ local name = 0
 if me then
   redis.call('ZADD', ALIVE, now + wttl, me)
   redis.call('HDEL', GONE, me)
-  redis.call('PEXPIRE', ALIVE, 10 * wttl)
+  -- Kept while anyone waits: its entries are how the waiters of replicas that died are
+  -- found, though every replica be gone a while (a crash loop, a redeploy) or the key be
+  -- one a volatile eviction policy would take; a while after the queue emptied, gone.
+  if queue_size() > 0 then
+    redis.call('PERSIST', ALIVE)
+  else
+    redis.call('PEXPIRE', ALIVE, 10 * wttl)
+  end
   local last = tonumber(ARGV[2])
   if not was or tonumber(was) < now or fresh or (last and tonumber(was) ~= last) then
     name = 1
