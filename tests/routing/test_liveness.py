@@ -137,11 +137,13 @@ async def test_the_replicas_word_lasts_while_anyone_waits_though_every_replica_i
     m = Model(real_redis, slots(max_queue=100))
     await m.acquire("l1")
     await m.acquire("l2")
+    await sweep(m, "r1")  # nobody waits yet: the key expires in a while
     mine = [waiter("r1", n) for n in range(2)]
-    await queue_up(m, mine)
+    await queue_up(m, mine)  # (r1 known alive: its acquires write nothing there but this)
     alive = m.slots.keys[_key("alive")]
-    await sweep(m, "r1")
     assert await real_redis.pttl(alive) == -1  # no expiry while anyone waits
+    await sweep(m, "r1")
+    assert await real_redis.pttl(alive) == -1
     await bury_now(m, "r1")  # r1 died; nothing swept for long
     await sweep(m, "r2")
     assert await m.queue() == []

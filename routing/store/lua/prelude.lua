@@ -771,7 +771,9 @@ local function live(id, now, ttl)
   if not me then
     redis.call('ZADD', QEXP, now + ttl, id)
   else
-    redis.call('ZADD', ALIVE, 'NX', now + ttl, me)  -- (no expiry while anyone waits: sweep.lua)
+    redis.call('ZADD', ALIVE, 'NX', now + ttl, me)
+    -- No expiry while anyone waits (sweep.lua): the last sweep may have found none.
+    redis.call('PERSIST', ALIVE)
   end
 end
 

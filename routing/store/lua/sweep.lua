@@ -262,8 +262,7 @@ end
 for rank = 0, #ceilings - 1 do state[#state + 1] = waiting_counts()[rank + 1] end
 state[#state + 1] = (marks - marks % 2) / 2  -- slots freed so far
 state[#state + 1] = redis.call('HGET', EP_LOAD, '~v') or ''
--- This replica alive: its waiters stay queued for the waiter TTL from now (and the key a
--- while longer, then gone with the replicas that stopped). Not known alive (`was`), or not
+-- This replica alive: its waiters stay queued for the waiter TTL from now. Not known alive (`was`), or not
 -- by the score its last sweep wrote: its waiters are to be named now (Redis lost them, or
 -- `bury` took them out). Redis applies writes in order, and a replica of it copies them
 -- so: that score there means nothing written before that sweep was lost, so only the
