@@ -147,13 +147,9 @@ async def test_a_loss_found_by_a_round_that_names_a_new_waiter_names_the_older_o
     return a new waiter queues first. Its next round names that one alone, and its sweep
     finds the loss: the older waiter must be named too, at once, back at its place first
     (not left out of the queue until a round that names everyone)."""
-    holder, waiting = await fleet.admission(), await fleet.admission()
-    keeper = await fleet.keeper(waiting)
-    other = await fleet.keeper(holder)
-    named = Named(waiting)
-    held = await fill(fleet, holder, "two", 2)
-    task, older = await queued_waiter(fleet, waiting, named)
-    await bounded(keeper.sweep_once())  # names it once
+    scene = await a_waiter(fleet, listen=True)  # its first round named it
+    waiting, keeper, named, older = scene.waiting, scene.keeper, scene.named, scene.waiter_id
+    other = await fleet.keeper(scene.holder)
     not_naming(keeper)
     await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)  # away
     await bounded(other.sweep_once())  # takes its waiter out as a dead replica's
@@ -161,8 +157,6 @@ async def test_a_loss_found_by_a_round_that_names_a_new_waiter_names_the_older_o
     later, newer = await queued_waiter(fleet, waiting, named)  # back: a new waiter first
     await bounded(keeper.sweep_once())  # names the new one; finds the loss
     assert await queue_of(real_redis) == [older, newer]
-    for t in (task, later):
-        t.cancel()
-    await asyncio.gather(task, later, return_exceptions=True)
-    await bounded(waiting.drain())
-    await release_all(holder, held)
+    later.cancel()
+    await asyncio.gather(later, return_exceptions=True)
+    await scene.end(fleet)
