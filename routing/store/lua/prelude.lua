@@ -758,6 +758,16 @@ local function replica_of(id)
   return string.match(id, '^(.-)%-%d+~')
 end
 
+-- `alive` lives a day while anyone waits: its entries are how the waiters of replicas that
+-- died are found, though every replica be gone a while (a crash loop, a redeploy), and a
+-- volatile eviction policy takes keys of a shorter life first. (PEXPIRE only where its
+-- life is under half that: a write that changes nothing is not copied to replicas. No
+-- PERSIST: the documented ACL user has no such command, docs/redis.md.)
+local WAITED_MS = 86400000
+local function waited_for()
+  if redis.call('PTTL', ALIVE) < WAITED_MS / 2 then redis.call('PEXPIRE', ALIVE, WAITED_MS) end
+end
+
 -- A waiter of this release lives by its replica (`bury`), whose sweeps keep it alive in
 -- `alive`: no entry of its own, nothing written or renewed per waiter. Where Redis does not
 -- know the replica there yet (its first sweep of the model is still to come: a start, a
@@ -772,8 +782,7 @@ local function live(id, now, ttl)
     redis.call('ZADD', QEXP, now + ttl, id)
   else
     redis.call('ZADD', ALIVE, 'NX', now + ttl, me)
-    -- No expiry while anyone waits (sweep.lua): the last sweep may have found none.
-    redis.call('PERSIST', ALIVE)
+    waited_for()  -- (the last sweep may have found nobody waiting)
   end
 end
 

@@ -271,11 +271,9 @@ local name = 0
 if me then
   redis.call('ZADD', ALIVE, now + wttl, me)
   redis.call('HDEL', GONE, me)
-  -- Kept while anyone waits: its entries are how the waiters of replicas that died are
-  -- found, though every replica be gone a while (a crash loop, a redeploy) or the key be
-  -- one a volatile eviction policy would take; a while after the queue emptied, gone.
+  -- Kept while anyone waits (prelude `waited_for`); a while after the queue emptied, gone.
   if queue_size() > 0 then
-    redis.call('PERSIST', ALIVE)
+    waited_for()
   else
     redis.call('PEXPIRE', ALIVE, 10 * wttl)
   end
