@@ -36,6 +36,12 @@ from tests.redis_server import RedisServer, endpoint_load
 KEY = "sk-faults-acme"
 KEY_ONE = "sk-faults-one"  # one request in flight at most
 KEY_TWO = "sk-faults-two"  # two
+# The three keys' part of a fault fleet's config (the tests' replicas and their accounts).
+KEYS_YAML = f"""keys:
+  - {{sha256: "{digest(KEY)}", account: faults-acme}}
+  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
+  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
+"""
 LEASE_TTL_S = 3
 COMMAND_TIMEOUT_S = 0.5
 SWEEP_S = min(1.0, LEASE_TTL_S / 4)
@@ -75,11 +81,7 @@ models:
     endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]
   free:
     endpoints: [{{url: "{workers[0].url}", max_concurrency: 100, model: m1}}]
-keys:
-  - {{sha256: "{digest(KEY)}", account: faults-acme}}
-  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
-  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
-"""
+{KEYS_YAML}"""
 
 
 def long_sim(tmp: Path, max_seqs: int) -> procs.Proc:

@@ -21,10 +21,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.e2e import procs
-from tests.e2e.conftest import digest
 from tests.e2e.test_faults import KEY, KEY_ONE, KEY_TWO, held, long_sim, post, until
 from tests.e2e.test_faults import worker_load as load
-from tests.e2e.test_waiter_liveness import clean, queued, settle, stop_all
+from tests.e2e.test_waiter_liveness import clean, one_slot, queued, settle, stop_all
 from tests.redis_server import RedisServer, free_port
 
 # The release before waiters lived by their replica's word.
@@ -82,17 +81,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mixed]:
     try:
         single = long_sim(tmp, 4)
         started.append(single)
-        config = f"""
-redis: {{url: "{server.url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: 0.5}}
-tiers:
-  default: {{queue_timeout_s: 30}}
-models:
-  q: {{endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]}}
-keys:
-  - {{sha256: "{digest(KEY)}", account: faults-acme}}
-  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
-  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
-"""
+        config = one_slot(server.url, single.url, LEASE_TTL_S, 0.5)
         port = free_port()
         path = tmp / f"old-{port}.yaml"
         path.write_text(config)

@@ -22,11 +22,10 @@ import redis.asyncio as aioredis
 
 from routing.admission.timing import Timing
 from tests.e2e import procs
-from tests.e2e.conftest import digest
 from tests.e2e.test_faults import (
-    KEY,
     KEY_ONE,
     KEY_TWO,
+    KEYS_YAML,
     held,
     leftovers,
     long_sim,
@@ -76,11 +75,7 @@ models:
   m: {{endpoints: [{{url: "{worker.url}", max_concurrency: 2, model: m1}}]}}
   q: {{endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]}}
   free: {{endpoints: [{{url: "{spare.url}", max_concurrency: 100, model: m1}}]}}
-keys:
-  - {{sha256: "{digest(KEY)}", account: faults-acme}}
-  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
-  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
-"""
+{KEYS_YAML}"""
         replicas = [procs.gateway(tmp, config) for _ in range(2)]
         started += replicas
         yield Stopped(server, replicas, worker, single, spare, config, tmp)

@@ -20,20 +20,27 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.timing import Timing
 from tests.e2e import procs
-from tests.e2e.conftest import digest
-from tests.e2e.test_faults import KEY, KEY_ONE, KEY_TWO, held, leftovers, long_sim, post, until
+from tests.e2e.test_faults import (
+    KEY,
+    KEY_TWO,
+    KEYS_YAML,
+    held,
+    leftovers,
+    long_sim,
+    post,
+    until,
+)
 from tests.e2e.test_faults import worker_load as load
+from tests.e2e.test_stopped_replica import (
+    COMMAND_TIMEOUT_S,
+    LEASE_TTL_S,
+    SLACK_S,
+    SWEEP_S,
+    WAITER_TTL_S,
+)
 from tests.redis_server import RedisServer
 
-LEASE_TTL_S = 6
-COMMAND_TIMEOUT_S = 0.5
-SWEEP_S = min(1.0, LEASE_TTL_S / 4)
-TIMING = Timing.of(LEASE_TTL_S, SWEEP_S, COMMAND_TIMEOUT_S)
-CLAIM_S = TIMING.claim_ms / 1000
-WAITER_TTL_S = TIMING.waiter_ttl_ms / 1000
-SLACK_S = 3.0
 QUEUE = "gw:{q}:queue"
 
 
@@ -44,6 +51,17 @@ class Pair:
     single: procs.Proc  # q: one endpoint of 1 (it would take 4)
 
 
+def one_slot(redis_url: str, single_url: str, lease_ttl_s: float, timeout_s: float) -> str:
+    """A fleet's config: model q on one endpoint of one slot, its waiters waiting 30 s."""
+    return f"""
+redis: {{url: "{redis_url}", lease_ttl_s: {lease_ttl_s}, command_timeout_s: {timeout_s}}}
+tiers:
+  default: {{queue_timeout_s: 30}}
+models:
+  q: {{endpoints: [{{url: "{single_url}", max_concurrency: 1, model: m1}}]}}
+{KEYS_YAML}"""
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp: Path = tmp_path_factory.mktemp("liveness")
@@ -52,17 +70,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         single = long_sim(tmp, 4)
         started.append(single)
-        config = f"""
-redis: {{url: "{server.url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: {COMMAND_TIMEOUT_S}}}
-tiers:
-  default: {{queue_timeout_s: 30}}
-models:
-  q: {{endpoints: [{{url: "{single.url}", max_concurrency: 1, model: m1}}]}}
-keys:
-  - {{sha256: "{digest(KEY)}", account: faults-acme}}
-  - {{sha256: "{digest(KEY_ONE)}", account: faults-one, max_concurrency: 1}}
-  - {{sha256: "{digest(KEY_TWO)}", account: faults-two, max_concurrency: 2}}
-"""
+        config = one_slot(server.url, single.url, LEASE_TTL_S, COMMAND_TIMEOUT_S)
         replicas = [procs.gateway(tmp, config) for _ in range(2)]
         started += replicas
         yield Pair(server, replicas, single)
