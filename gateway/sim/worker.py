@@ -26,14 +26,17 @@ from typing import Any
 import orjson
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
 )
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.sim.load import Slots, Span
+from gateway.sim.metrics import SimMetrics
+from gateway.sim.responses import (
+    EmbeddingsReply,
+    ResponsesReply,
+    parse_embeddings_job,
+    parse_responses_job,
+)
 from gateway.sim.text import BadRequest, Job, Reply, error_body, make_plan, parse_job
 from gateway.sim.wire import (
     Tracked,
@@ -47,7 +50,6 @@ from gateway.sim.wire import (
 )
 
 FAULTS = frozenset({"hang", "error500", "die_mid_stream"})
-FINISH_REASONS = ("stop", "length", "abort")
 RECENT_REQUESTS = 100
 # Spans of ended requests kept for the next /sim/peak read; older ones are dropped (counted).
 SPANS_KEPT = 10_000
@@ -88,52 +90,6 @@ def build_sim_app(options: SimOptions) -> ASGIApp:
     return SimApp(options)
 
 
-class _Metrics:
-    """vLLM's metric names, on a registry of this app's own."""
-
-    def __init__(self, options: SimOptions, slots: Slots) -> None:
-        models = options.models
-        self.registry = CollectorRegistry()
-        budget = slots.budget
-        usage = (lambda: slots.tokens / budget) if budget else (lambda: slots.running / slots.size)
-        gauges: tuple[tuple[str, str, Callable[[], float]], ...] = (
-            ("vllm:num_requests_running", "Requests generating now.", lambda: slots.running),
-            ("vllm:num_requests_waiting", "Requests waiting for a slot.", lambda: slots.waiting),
-            (
-                "vllm:kv_cache_usage_perc",
-                "KV-cache usage: tokens of the running requests / the cache (without one, "
-                "running / max_seqs). 1 means 100 percent.",
-                usage,
-            ),
-            ("sim:peak_tokens_running", "Most tokens ever held by running requests.",
-             lambda: slots.peak_tokens),
-            ("sim:peak_requests_running", "Most requests ever running at once.",
-             lambda: slots.peak_running),
-            ("sim:peak_requests_waiting", "Most requests ever waiting at once.",
-             lambda: slots.peak_waiting),
-        )  # fmt: skip
-        for name, doc, read in gauges:
-            gauge = Gauge(name, doc, ["model_name"], registry=self.registry)
-            gauge.labels(models[0]).set_function(read)
-        if options.kv_blocks is not None:  # as vLLM: its cache's shape in labels, value 1
-            info = Gauge("vllm:cache_config_info", "Information of the KV cache config.",
-                         ["block_size", "num_gpu_blocks"], registry=self.registry)  # fmt: skip
-            info.labels(str(options.block_size), str(options.kv_blocks)).set(1)
-        success = Counter(
-            "vllm:request_success",
-            "Finished requests by finish reason (abort: the client went away).",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
-        self._success = {(m, r): success.labels(m, r) for m in models for r in FINISH_REASONS}
-
-    def finished(self, model: str, reason: str) -> None:
-        self._success[(model, reason)].inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
 class SimApp:
     """The ASGI app behind `build_sim_app`."""
 
@@ -142,7 +98,8 @@ class SimApp:
         self.options = options
         self.fault = options.fault
         self.slots = Slots(options.max_seqs, options.kv_budget)
-        self.metrics = _Metrics(options, self.slots)
+        self.metrics = SimMetrics(options.models, options.kv_blocks, options.block_size,
+                                  self.slots)  # fmt: skip
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
         # [x-request-id, start, end (time.monotonic of this host), aborted] per ended request.
         self.spans: deque[list[Any]] = deque(maxlen=SPANS_KEPT)
@@ -153,6 +110,8 @@ class SimApp:
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat_completions},
+            "/v1/responses": {"POST": self._responses},
+            "/v1/embeddings": {"POST": self._embeddings},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
@@ -188,21 +147,22 @@ class SimApp:
             await tracked.end()
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, chat=False)
+        await self._generate(scope, receive, send, "completions")
 
     async def _chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, chat=True)
+        await self._generate(scope, receive, send, "chat")
 
-    async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, "responses")
+
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, "embeddings")
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, api: str) -> None:
         raw = await read_body(receive)
         if raw is None:
             return
-        try:
-            body: Any = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            body, json_error = None, str(exc)
-        else:
-            json_error = ""
+        body, json_error = _loads(raw)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.recent.append({"path": scope["path"], "body": body, "headers": headers})
         fault = self.fault
@@ -213,12 +173,13 @@ class SimApp:
             message = "Simulated worker failure (fault error500)."
             await send_json(send, 500, error_body(500, "InternalServerError", message))
             return
-        job = self._validate(body, json_error, chat)
+        job = self._validate(body, json_error, api)
         if isinstance(job, tuple):
             await send_json(send, *job)
             return
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        reply = Reply(job, make_plan(job, self.options.tokens), rid, int(time.time()))
+        kind, prefix = _REPLIES[api]
+        plan = make_plan(job, self.options.tokens)
+        reply = kind(job, plan, prefix + uuid.uuid4().hex, int(time.time()))
         if not self.slots.fits_ever(_kv_tokens(reply)):
             message = (
                 f"This request needs {_kv_tokens(reply)} tokens of KV cache (its prompt and "
@@ -234,12 +195,12 @@ class SimApp:
             raise
         self.metrics.finished(job.model, reason)
 
-    def _validate(self, body: Any, json_error: str, chat: bool) -> Job | tuple[int, Any]:
+    def _validate(self, body: Any, json_error: str, api: str) -> Job | tuple[int, Any]:
         """The job, or the status and vLLM-style error body to answer with."""
         try:
             if json_error:
                 raise BadRequest(f"The request body is not valid JSON: {json_error}")
-            job = parse_job(body, chat, self.options.models[0])
+            job = _PARSERS[api](body, self.options.models[0])
         except BadRequest as exc:
             return 400, error_body(400, "BadRequestError", str(exc))
         if job.model not in self.options.models:
@@ -296,7 +257,7 @@ class SimApp:
         for step in range(steps):
             if step:
                 await self._pace(start, step)
-            for index in range(reply.job.n):
+            for index in range(reply.plan.choices):
                 await send(body_chunk(reply.token_event(index, step)))
         if die:
             raise SimulatedCrash("fault die_mid_stream: dropping the connection mid-stream")
@@ -373,6 +334,29 @@ class SimApp:
             return
         self.fault = fault
         await send_json(send, 200, {"fault": fault})
+
+
+# Each API's body reading, and its reply's kind and id prefix (as vLLM's ids).
+_PARSERS: dict[str, Callable[[Any, str], Job]] = {
+    "completions": lambda body, model: parse_job(body, False, model),
+    "chat": lambda body, model: parse_job(body, True, model),
+    "responses": parse_responses_job,
+    "embeddings": parse_embeddings_job,
+}
+_REPLIES: dict[str, tuple[type[Reply], str]] = {
+    "completions": (Reply, "cmpl-"),
+    "chat": (Reply, "chatcmpl-"),
+    "responses": (ResponsesReply, "resp_"),
+    "embeddings": (EmbeddingsReply, "embd-"),
+}
+
+
+def _loads(raw: bytes) -> tuple[Any, str]:
+    """The body's JSON, and why it is not JSON ("" when it is)."""
+    try:
+        return orjson.loads(raw), ""
+    except orjson.JSONDecodeError as exc:
+        return None, str(exc)
 
 
 def _kv_tokens(reply: Reply) -> int:
