@@ -96,6 +96,22 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class EncodingUnsupported(GatewayError):
+    """A request body in a `Content-Encoding` the gateway does not decode (`param`: the header)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+
+class CorsRefused(GatewayError):
+    """A browser's preflight from an origin, or asking a method or headers, not allowed."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "cors_not_allowed"
+
+
 class HeaderInvalid(GatewayError):
     """A request header the gateway reads holds a value it cannot use (`param`: its name)."""
 

@@ -108,11 +108,20 @@ class PriceConfig(BaseModel):
     output_per_mtok: float = Field(0.0, ge=0.0)
 
 
+# The routes a model's workers may serve (`models.<m>.serves`): the gateway forwards to them
+# only those its config lists (the edge's table of routes: gateway/completions/apis.py).
+Api = Literal["completions", "chat", "responses", "embeddings"]
+DEFAULT_APIS: tuple[Api, ...] = ("completions", "chat")
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # A tier must be listed here to apply; `default` always applies.
     tiers: tuple[Tier, ...] = (Tier.DEFAULT,)
+    # What its workers serve: vLLM serves the first three for a generating model, and
+    # embeddings for a pooling one.
+    serves: tuple[Api, ...] = Field(DEFAULT_APIS, min_length=1)
     max_queue: Annotated[int, NotBool] = Field(100, ge=0, le=1_000_000)
     price: PriceConfig = PriceConfig()
     worker_priority: bool = False

@@ -19,18 +19,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.app.cors import Cors, is_preflight, origin_of
 from gateway.app.openapi import build_openapi
+from gateway.completions.apis import ROUTES
 from gateway.completions.route import CompletionRoute
-from gateway.edge.asgi import Receive, Scope, Send, error_parts, request_id
+from gateway.edge.asgi import (
+    Receive,
+    Scope,
+    Send,
+    error_parts,
+    read_headers,
+    request_id,
+    send_error,
+)
 from gateway.errors import GatewayError, MethodNotAllowed, ModelNotFound, NotFound
 from gateway.metrics import CONTENT_TYPE
 from gateway.ratelimits import Headers
 from gateway.runtime.auth import Account, key_from_headers
+from gateway.runtime.settings import CorsConfig
 from gateway.runtime.state import GatewayState
-from gateway.schemas import ChatRequest, CompletionRequest
-
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 
 
 class GatewayApp:
@@ -38,20 +45,46 @@ class GatewayApp:
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self._hot = {
-            COMPLETIONS: CompletionRoute(state, COMPLETIONS, CompletionRequest),
-            CHAT: CompletionRoute(state, CHAT, ChatRequest),
-        }
-        self._openapi = orjson.dumps(build_openapi(CompletionRequest, ChatRequest))
+        self._hot = {route.path: CompletionRoute(state, route) for route in ROUTES}
+        self._openapi = orjson.dumps(build_openapi(ROUTES))
         self._rest = self._build_starlette()
+        self._cors: tuple[CorsConfig, Cors] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
+            cors = self._cors_of(self.state.config.cors)
+            origin = None if cors is None else origin_of(scope)
+            if cors is not None and origin is not None:
+                if is_preflight(scope):
+                    await cors.preflight(scope, origin, send)
+                    return
+                if cors.allows(origin):
+                    send = cors.answering(origin, send)
             proxy = self._hot.get(scope["path"])
             if proxy is not None:
-                await proxy(scope, receive, send)
+                if scope["method"] == "POST":
+                    await proxy(scope, receive, send)
+                else:
+                    await self._post_only(scope, send, cors is not None)
                 return
         await self._rest(scope, receive, send)
+
+    def _cors_of(self, config: CorsConfig) -> Cors | None:
+        """The CORS answers of the config now (None: off), made again after a reload."""
+        if not config.allow_origins:
+            return None
+        if self._cors is None or self._cors[0] is not config:
+            self._cors = (config, Cors(config))
+        return self._cors[1]
+
+    async def _post_only(self, scope: Scope, send: Send, cors: bool) -> None:
+        """Any other method on a completion route: 405, with the methods it takes (RFC 9110)."""
+        allow = "OPTIONS, POST" if cors else "POST"
+        error = MethodNotAllowed(
+            f"Method {scope['method'][:20]} is not allowed on {scope['path'][:200]}; use POST.",
+            headers={"Allow": allow},
+        )
+        await send_error(send, error, request_id(read_headers(scope).request_id))
 
     def _build_starlette(self) -> Starlette:
         @asynccontextmanager
@@ -70,9 +103,6 @@ class GatewayApp:
             Route("/readyz", self._readyz, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/openapi.json", self._openapi_json, methods=["GET"]),
-            # Wrong methods on the hot paths land here (POST never does).
-            Route(COMPLETIONS, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
-            Route(CHAT, self._method_not_allowed, methods=["GET", "PUT", "DELETE"]),
         ]
         handlers = {GatewayError: self._gateway_error, HTTPException: self._http_error}
         return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
@@ -128,15 +158,15 @@ class GatewayApp:
         rid = {"x-request-id": request_id(request.headers.get("x-request-id"))}
         return Response(self._openapi, headers=rid, media_type="application/json")
 
-    async def _method_not_allowed(self, request: Request) -> Response:
-        raise MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.")
-
     async def _gateway_error(self, request: Request, exc: GatewayError) -> Response:
         return _error_response(request, exc)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
-        if exc.status_code == 405:
-            return await self._gateway_error(request, MethodNotAllowed("Method not allowed."))
+        if exc.status_code == 405:  # Starlette's own says which methods the route takes
+            allow = (exc.headers or {}).get("Allow", "GET, HEAD")
+            error = MethodNotAllowed(f"Method {request.method[:20]} is not allowed; use {allow}.",
+                                     headers={"Allow": allow})  # fmt: skip
+            return await self._gateway_error(request, error)
         return await self._gateway_error(request, NotFound(f"No route {request.url.path[:200]}."))
 
 

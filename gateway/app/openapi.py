@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from gateway.completions.apis import Route
 
 _TIER_HEADER = (
     "Per-request service tier (`priority` or `flex`) for clients that cannot set the "
@@ -202,25 +203,19 @@ def _ops_paths() -> dict[str, Any]:
     }
 
 
-def build_openapi(completions: type[BaseModel], chat: type[BaseModel]) -> dict[str, Any]:
+def build_openapi(routes: Sequence[Route]) -> dict[str, Any]:
     schemas: dict[str, Any] = dict(_VALIDATION_SCHEMAS)
     schemas.update(Model=_MODEL_OBJECT, ModelList=_MODEL_LIST, Status=_STATUS)
-    for name, model in (("OpenAICompletionsIn", completions), ("OpenAIChatCompletionsIn", chat)):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for route in routes:
+        schema = route.schema.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
-        schema["title"] = name
-        schemas[name] = schema
+        schema["title"] = route.title
+        schemas[route.title] = schema
+    posts = {r.path: _post(r.summary, r.operation, r.title) for r in routes}
     return {
         "openapi": "3.1.0",
         "info": {"title": "LLM gateway", "version": "0.1.0"},
-        "paths": {
-            "/v1/completions": _post("Completions", "completions", "OpenAICompletionsIn"),
-            "/v1/chat/completions": _post(
-                "Chat Completions", "chat_completions", "OpenAIChatCompletionsIn"
-            ),
-            **_models_paths(),
-            **_ops_paths(),
-        },
+        "paths": {**posts, **_models_paths(), **_ops_paths()},
         "components": {
             "schemas": schemas,
             "securitySchemes": {"HTTPBearer": {"type": "http", "scheme": "bearer"}},

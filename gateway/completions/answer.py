@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.completions.exchange import Usage
+from gateway.completions.streamusage import StreamUsage, UsageShaper
 from gateway.errors import (
     GatewayError,
     RateLimited,
@@ -119,7 +120,7 @@ class StreamRewriter:
     """
 
     __slots__ = (
-        "_buffer", "_cut", "_include_usage", "_max_event", "_model", "_model_field", "_tier",
+        "_buffer", "_cut", "_max_event", "_model", "_model_field", "_shaper", "_tier",
         "_tier_prefix", "done", "error", "usage",
     )  # fmt: skip
 
@@ -127,14 +128,14 @@ class StreamRewriter:
         self,
         model: str,
         tier: str,
-        include_usage: bool,
+        wanted: StreamUsage,
         usage: Usage,
         *,
         max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self._model = model
         self._tier = tier
-        self._include_usage = include_usage
+        self._shaper = UsageShaper(wanted)
         self._max_event = max_event_bytes
         self._buffer = b""
         self._cut: GatewayError | None = None
@@ -156,8 +157,13 @@ class StreamRewriter:
         cut = self._cut
         if cut is not None and self.error is None and not self.done:
             self.error = cut
-            out += error_event(cut)
+            out += self._shaper.end(done=False) + error_event(cut)
         return out
+
+    def end(self) -> bytes:
+        """What is still held for the caller when the worker's stream ends without
+        `[DONE]` (a held finish chunk, gateway/completions/streamusage.py)."""
+        return b"" if self.done else self._shaper.end(done=False)
 
     def split(self, chunk: bytes) -> list[bytes]:
         """The complete events so far, not yet rewritten; a partial one waits for more.
@@ -190,23 +196,24 @@ class StreamRewriter:
         if not event.startswith(b"data:"):
             return event + b"\n\n"  # comments / keep-alives pass through untouched
         payload = event[5:].strip()
+        shaper = self._shaper
         if payload == b"[DONE]":
             self.done = True
-            return DONE_EVENT
+            return shaper.end(done=True) + DONE_EVENT
         fast = self._splice(payload)
         if fast is not None:
             if b'"choices":[]' not in payload:
                 self.usage.streamed += 1
-            return fast
+            return shaper.release() + fast
         try:
             data = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return event + b"\n\n"
+            return shaper.release() + event + b"\n\n"
         if not isinstance(data, dict):
-            return event + b"\n\n"
+            return shaper.release() + event + b"\n\n"
         if "error" in data or data.get("object") == "error":
             self.error = worker_error(500, payload)
-            return error_event(self.error)
+            return shaper.end(done=False) + error_event(self.error)
         data["model"] = self._model
         data["service_tier"] = self._tier
         if data.get("choices"):
@@ -214,11 +221,7 @@ class StreamRewriter:
         usage = data.get("usage")
         if usage is not None:
             self.usage.take(usage)
-        if not self._include_usage and "usage" in data:
-            if usage is not None and data.get("choices") == []:
-                return b""
-            del data["usage"]
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        return shaper.shape(data)
 
     def _splice(self, payload: bytes) -> bytes | None:
         """The common token chunk rewritten without parsing it: its `"model"` value swapped
@@ -226,7 +229,7 @@ class StreamRewriter:
         error, a tier already there, an unexpected shape)."""
         if not payload.startswith(b"{") or b'"error"' in payload or b'"service_tier"' in payload:
             return None
-        if b'"usage":{' in payload or (not self._include_usage and b'"usage"' in payload):
+        if not self._shaper.may_pass(payload):
             return None
         # Inside JSON strings every quote is escaped, so this matches only a real key; the
         # first one is the top-level "model" of OpenAI/vLLM chunks (before "choices").

@@ -89,8 +89,11 @@ def _outcome(status: int) -> Outcome:
 
 
 def _estimate_prompt(payload: dict[str, Any]) -> int:
-    """Prompt tokens when the worker never said: token ids counted, text at ~4 chars each."""
+    """Prompt tokens when the worker never said: token ids counted, text at ~4 chars each
+    (a batch's prompts summed)."""
     prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return sum(_estimate_prompt({"prompt": p}) for p in prompt)
     if isinstance(prompt, list):
         return len(prompt)
     if isinstance(prompt, str):

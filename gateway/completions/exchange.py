@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.completions.streamusage import StreamUsage
 from gateway.edge.access import AccessNote
 from gateway.edge.body import dumps
 from gateway.runtime.auth import Account
-from gateway.schemas.common import GatewayRequest
-from gateway.schemas.tokens import BYTES_PER_TOKEN, output_tokens, prompt_tokens
+from gateway.schemas.common import RoutedRequest
+from gateway.schemas.tokens import BYTES_PER_TOKEN, output_tokens, prompt_tokens, sequences
 from routing.admission.tokens import TokenAsk
 from tiers.policy import Tier
 
@@ -28,7 +29,7 @@ class Parsed:
     started: float
     account: Account
     payload: dict[str, Any]
-    request: GatewayRequest
+    request: RoutedRequest
     # The tier asked for (body, else header), before model and key policy apply.
     wanted: Tier
     source: str | None
@@ -40,10 +41,11 @@ class Parsed:
 
     def tokens(self) -> TokenAsk:
         """What it will hold of a worker's KV cache (gateway/schemas/tokens.py): its prompt's
-        estimate (its tools' too), its answer's length and how many answers (`n`)."""
+        estimate (its tools' too), its answer's length and how many answers (`n`, for each
+        prompt of a batch)."""
         request = self.request
         prompt = prompt_tokens(request) + tools_tokens(self.payload.get("tools"))
-        return TokenAsk(prompt, output_tokens(request), request.n)
+        return TokenAsk(prompt, output_tokens(request), sequences(request))
 
 
 def tools_tokens(tools: Any) -> int:
@@ -65,11 +67,18 @@ class Usage:
     streamed: int = 0
 
     def take(self, usage: Any) -> None:
-        if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(completion, int):
-                self.prompt_tokens, self.completion_tokens = prompt, completion
-                self.reported = True
+        """A worker's usage: completions' and chat's names, the Responses API's
+        (`input_tokens`, `output_tokens`), or an embedding's (its prompt alone)."""
+        if not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        embedding = isinstance(prompt, int) and usage.get("total_tokens") == prompt
+        if completion is None and "completion_tokens" not in usage and embedding:
+            completion = 0  # an embedding: its input is all it used
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.prompt_tokens, self.completion_tokens = prompt, completion
+            self.reported = True
 
 
 @dataclass(slots=True)
@@ -79,8 +88,8 @@ class Exchange:
     rid: str
     started: float
     stream: bool
-    # Whether the caller sees the usage chunk (the worker is always asked for it).
-    include_usage: bool
+    # Where the caller sees a stream's usage (the worker is always asked for it).
+    wanted_usage: StreamUsage
     usage: Usage
     status: int = 200
     # Set before the last byte goes out: a disconnect after that is not a cancellation.

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from gateway.completions.answer import StreamRewriter, error_event, rewrite_answer, worker_error
+from gateway.completions.apis import Route
 from gateway.completions.exchange import Exchange
 from gateway.completions.preempt import preempted
 from gateway.edge.asgi import ClientGone, Reply, send_error, send_json
@@ -46,14 +47,14 @@ class Hop:
         state: GatewayState,
         exchange: Exchange,
         admitted: Admitted,
-        path: str,
+        route: Route,
         payload: Mapping[str, Any],
         send: Reply,
     ) -> None:
         self._state = state
         self._exchange = exchange
         self._admitted = admitted
-        self._path = path
+        self._route = route
         self._payload = payload
         self._send = send
         # Known once `run` found it (looked up then, not before: a reload may come between).
@@ -129,7 +130,7 @@ class Hop:
 
     async def _post(self, endpoint: Endpoint) -> HopResponse:
         headers = _worker_headers(endpoint, self._exchange)
-        url = endpoint.url + self._path
+        url = endpoint.url + self._route.path
         body = worker_body(self._payload, self._exchange.stream, self._admitted, endpoint)
         return await self._state.upstream.post(url, body, headers)
 
@@ -170,9 +171,8 @@ class Hop:
         admitted, exchange, send = self._admitted, self._exchange, self._send
         model, tier = admitted.candidate.model.name, admitted.tier.value
         limit = self._state.config.limits.max_event_bytes
-        rewriter = StreamRewriter(
-            model, tier, exchange.include_usage, exchange.usage, max_event_bytes=limit
-        )
+        kind = self._route.stream or StreamRewriter  # a worker that streams unasked
+        rewriter = kind(model, tier, exchange.wanted_usage, exchange.usage, max_event_bytes=limit)
         chunks = aiter(resp.chunks())
         # The 200 goes out with the first event (one write, not two), and a worker that
         # fails before its first byte still gets a plain HTTP error, not an SSE one.
@@ -222,7 +222,7 @@ class Hop:
         exchange, send = self._exchange, self._send
         if rewriter.error is None and not rewriter.done:
             failure = failure or UpstreamBroken("The worker's stream ended before [DONE].")
-            event = error_event(failure)
+            event = rewriter.end() + error_event(failure)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         if rewriter.error is not None or failure is not None:
             exchange.status = 502

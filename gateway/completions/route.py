@@ -14,11 +14,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from gateway.completions.apis import Route
 from gateway.completions.billing import usage_fields
 from gateway.completions.endings import crashed, cut_short, end_with, shut_down, uncancel
 from gateway.completions.exchange import Exchange, Parsed, Usage
 from gateway.completions.hop import Hop
 from gateway.completions.preempt import requeued, unless_preempted
+from gateway.completions.streamusage import StreamUsage
 from gateway.completions.trace import trace_headers
 from gateway.edge.access import NOTE, AccessNote
 from gateway.edge.asgi import (
@@ -35,6 +37,7 @@ from gateway.edge.asgi import (
 )
 from gateway.edge.body import parse_body
 from gateway.edge.deadline import request_deadline
+from gateway.edge.encoding import decoded
 from gateway.edge.protocol import forget_disconnect, on_disconnect
 from gateway.errors import (
     GatewayError,
@@ -45,7 +48,7 @@ from gateway.errors import (
 from gateway.ratelimits import Headers, quota_headers
 from gateway.runtime.auth import Account, key_from_headers
 from gateway.runtime.state import GatewayState
-from gateway.schemas.common import GatewayRequest
+from gateway.schemas.common import GatewayRequest, RoutedRequest
 from routing.admission.admit import Admitted
 from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
@@ -59,12 +62,10 @@ log = logging.getLogger("gateway.route")
 class CompletionRoute:
     """The plain ASGI app behind one completion route."""
 
-    def __init__(self, state: GatewayState, path: str, schema: type[GatewayRequest]) -> None:
+    def __init__(self, state: GatewayState, route: Route) -> None:
         self._state = state
-        self._path = path
-        self._schema = schema
-        # Asked once: reading a field the schema lacks costs pydantic a raised AttributeError.
-        self._salted = "cache_salt" in schema.model_fields
+        self._route = route
+        self._schema = route.schema
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -98,11 +99,7 @@ class CompletionRoute:
                 )
             key = key_from_headers(headers.authorization, headers.x_api_key, headers.xi_api_key)
             account = await state.keys.authenticate(key)
-            limit = state.config.limits.max_body_bytes
-            payload, request = parse_body(
-                await read_body(receive, headers.content_length, limit), self._schema
-            )
-            payload = request.for_worker(payload)
+            payload, request = await self._body(receive, headers)
             deadline_s = request_deadline(headers.request_timeout)
         except ClientGone:
             return
@@ -120,6 +117,15 @@ class CompletionRoute:
         )  # fmt: skip
         exchange = _exchange(parsed, headers)
         await _until_disconnect(self._handle(parsed, exchange, reply), receive, exchange)
+
+    async def _body(
+        self, receive: Receive, headers: RequestHeaders
+    ) -> tuple[dict[str, Any], RoutedRequest]:
+        """The body as the worker will get it, and its validated view (413, 415, 422)."""
+        limit = self._state.config.limits.max_body_bytes
+        body = await read_body(receive, headers.content_length, limit)
+        payload, request = parse_body(decoded(body, headers.content_encoding, limit), self._schema)
+        return request.for_worker(payload), request
 
     async def _handle(self, parsed: Parsed, exchange: Exchange, reply: Reply) -> None:
         try:
@@ -146,7 +152,7 @@ class CompletionRoute:
         second admission is returned (`tiers.flex.on_preempt: requeue`)."""
         preempted: Preempted | None = None
         try:
-            hop = Hop(self._state, exchange, admitted, self._path, parsed.payload, reply)
+            hop = Hop(self._state, exchange, admitted, self._route, parsed.payload, reply)
             await unless_preempted(hop.run(), self._state.admission, admitted)
         except Preempted as exc:
             preempted, exchange.status, exchange.preempted = exc, 429, True
@@ -205,9 +211,9 @@ class CompletionRoute:
             allowed=account.models,
             wanted=parsed.wanted,
             allowed_tiers=account.tiers,
+            api=self._route.name,
         )
-        salt = getattr(request, "cache_salt", None) if self._salted else None
-        cache_key = affinity_key(request.prompt_cache_key, salt)
+        cache_key = affinity_key(*request.cache_key())
         rates = account.rates
         tokens = parsed.tokens()
         admitted = await self._state.admission.admit(
@@ -228,7 +234,7 @@ class CompletionRoute:
             key_id=parsed.account.key_id,
             requested_model=(request.models or [request.model])[0],
             requested_tier=parsed.wanted.value,
-            user=request.user,
+            user=request.end_user(),
             source=parsed.source,
             payload=parsed.payload,
             tiers=self._state.config.tiers,
@@ -298,12 +304,12 @@ class CompletionRoute:
 def _exchange(parsed: Parsed, headers: RequestHeaders) -> Exchange:
     """What will happen to the request once admitted, as it starts."""
     request = parsed.request
-    options = request.stream_options
-    include_usage = True if options is None else bool(options.include_usage)
+    options = request.stream_options if isinstance(request, GatewayRequest) else None
     trace = trace_headers(headers.traceparent, headers.tracestate)
     return Exchange(
-        parsed.rid, parsed.started, bool(request.stream), include_usage, Usage(), trace=trace
-    )
+        parsed.rid, parsed.started, request.streams(), StreamUsage.of(options), Usage(),
+        trace=trace,
+    )  # fmt: skip
 
 
 async def _until_disconnect(

@@ -24,7 +24,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 MAX_REQUEST_ID = 128
 # 4xx answers that no retry can fix: tell the OpenAI SDK not to retry them.
-_NO_RETRY = frozenset({400, 401, 403, 404, 413, 422})
+_NO_RETRY = frozenset({400, 401, 403, 404, 405, 413, 415, 422})
 
 
 @dataclass(slots=True)
@@ -41,6 +41,7 @@ class RequestHeaders:
     traceparent: str | None = None
     tracestate: str | None = None
     request_timeout: str | None = None
+    content_encoding: str | None = None
 
 
 _WANTED = {
@@ -54,6 +55,7 @@ _WANTED = {
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
     b"x-request-timeout": "request_timeout",
+    b"content-encoding": "content_encoding",
 }
 
 
@@ -67,6 +69,8 @@ def read_headers(scope: Scope) -> RequestHeaders:
                 text = f"{found.tracestate},{text}"  # W3C: repeated headers are one list
             elif attr == "traceparent" and found.traceparent is not None:
                 text = ""  # W3C: two traceparents are no trace context (dropped)
+            elif attr == "content_encoding" and found.content_encoding is not None:
+                text = f"{found.content_encoding},{text}"  # RFC 9110: one list, in order
             elif attr == "request_timeout" and found.request_timeout is not None:
                 text = f"{found.request_timeout},{text}"  # two deadlines: none is meant (400)
             setattr(found, attr, text)

@@ -28,6 +28,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -35,6 +36,8 @@ from uvicorn.protocols.http.httptools_impl import (
     HttpToolsProtocol,
     RequestResponseCycle,
 )
+
+from gateway.edge.oldclients import Http10Cycle, IgnoredUpgrade, close_delimited
 
 # What starts a response head as uvicorn writes it (its STATUS_LINE table); `100 Continue`
 # is an interim answer, not a head a body follows, and is never held.
@@ -117,10 +120,44 @@ class GatewayProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol on a `HeadJoiningTransport`, calling the current
     request's `on_disconnect` callback when the connection is lost before its answer."""
 
+    # The body of a request whose `Upgrade: h2c` was ignored (gateway/edge/oldclients.py).
+    _ignored: IgnoredUpgrade | None = None
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         loop = asyncio.get_running_loop()
         wrapped = HeadJoiningTransport(transport, loop)  # type: ignore[arg-type]
         super().connection_made(wrapped)  # type: ignore[arg-type]
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, but for an upgrade it does not serve (h2c: curl --http2, Java's
+        HttpClient): ignored, as RFC 9113 asks, and the request served as HTTP/1.1 with
+        its body (httptools stops at the headers of any upgrade request)."""
+        if self._ignored is not None:
+            self._ignored.feed(data)
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            elif self.cycle is not None and not self.cycle.response_complete:
+                self._ignored = IgnoredUpgrade.begin(self.cycle, self.headers, self.flow)
+                if self._ignored is None:  # its app, not begun yet, sees its caller gone
+                    self.cycle.disconnected = True
+                    self.send_400_response("A chunked body beside an Upgrade header.")
+                else:
+                    self._ignored.feed(data[upgrade.args[0] :])
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope and self.scope["http_version"] == "1.0":
+            cycle.__class__ = Http10Cycle  # no chunked coding: a stream's end is the close
 
     # uvicorn arms a keep-alive timer after every answer and cancels it when the next request
     # begins: a timer made and dropped per request. Here one timer per idle spell checks,
@@ -228,6 +265,11 @@ async def write_stream_start(
         return False
     cycle, transport, parts = begun
     if parts is None:
+        return True
+    if cycle.scope["http_version"] == "1.0":  # HTTP/1.0 has no chunked coding
+        close_delimited(cycle)
+        parts.append(b"\r\n")
+        transport.write_whole(b"".join((*parts, first)))
         return True
     cycle.chunked_encoding = True
     parts.append(b"transfer-encoding: chunked\r\n\r\n")

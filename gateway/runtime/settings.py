@@ -77,6 +77,49 @@ class LimitsConfig(BaseModel):
     max_event_bytes: int = Field(1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
 
 
+# What a browser app's preflight may ask for without a config saying more.
+CORS_HEADERS = ("*",)  # "*": the headers the browser names (so Authorization too)
+CorsMethod = Literal["GET", "POST", "OPTIONS"]
+CORS_METHODS: tuple[CorsMethod, ...] = ("GET", "POST", "OPTIONS")
+# Response headers a browser app may read (beside the CORS-safelisted ones).
+CORS_EXPOSE = (
+    "x-request-id", "retry-after", "x-should-retry",
+    "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
+)  # fmt: skip
+_ORIGIN = re.compile(r"^(\*|https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?)$")
+
+
+class CorsConfig(BaseModel):
+    """Cross-origin calls from browser apps (docs/config.md): off until origins are named."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Exact origins (scheme://host[:port]), or "*" for any.
+    allow_origins: tuple[str, ...] = Field((), max_length=256)
+    allow_methods: tuple[CorsMethod, ...] = CORS_METHODS
+    allow_headers: tuple[str, ...] = Field(CORS_HEADERS, max_length=256)
+    expose_headers: tuple[str, ...] = Field(CORS_EXPOSE, max_length=256)
+    allow_credentials: bool = False
+    max_age_s: int = Field(600, ge=0, le=86_400)
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, origins: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in origins:
+            if not _ORIGIN.match(origin):
+                raise ValueError(f'{origin[:80]!r} is not "*" nor scheme://host[:port]')
+        return tuple(o.lower() for o in origins)
+
+    @field_validator("allow_headers", "expose_headers")
+    @classmethod
+    def _header_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if name != "*" and not re.match(r"^[A-Za-z0-9-]{1,64}$", name):
+                raise ValueError(f"{name[:80]!r} is not a header name")
+        return tuple(n.lower() for n in names)
+
+
 # The largest key weight (fair share): far past any useful ratio, small enough for Redis.
 MAX_WEIGHT = 1_000_000.0
 # The largest rate limits, requests and tokens per minute (past them a limit means nothing).
@@ -132,6 +175,7 @@ class GatewayConfig(BaseModel):
     accounts: dict[str, AccountConfig] = {}
     # On SIGTERM: stop taking requests, let those in flight finish for up to this long.
     shutdown_grace_s: float = Field(30.0, ge=0, le=3600)
+    cors: CorsConfig = CorsConfig()
 
     @field_validator("models")
     @classmethod

@@ -216,3 +216,6 @@ class ChatRequest(GatewayRequest):
             "continue generating from, rather than starting a new turn."
         ),
     )
+
+    def cache_key(self) -> tuple[str | None, str | None]:
+        return self.prompt_cache_key, self.cache_salt

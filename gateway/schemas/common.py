@@ -154,8 +154,9 @@ ResponseFormat = Annotated[
 ]
 
 
-class GatewayRequest(BaseModel):
-    """Fields both routes accept; the route models add their own input (prompt, messages)."""
+class RoutedRequest(BaseModel):
+    """What every route the gateway admits and forwards accepts: its gateway-only fields and
+    the model. Unknown fields are kept: they are forwarded, workers may know them."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -187,6 +188,36 @@ class GatewayRequest(BaseModel):
     )
 
     model: str = Field(description="model name", examples=["meta-llama/Llama-2-70b-chat-hf"])
+
+    def for_worker(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The caller's body as workers should see it; a route whose schema accepts a
+        shape the seed does not (completions' one-string prompt list) rewrites it here."""
+        return payload
+
+    # What the walk reads of every route's body, each route saying it from its own fields.
+    def streams(self) -> bool:
+        return False
+
+    def end_user(self) -> str | None:
+        return None
+
+    def cache_key(self) -> tuple[str | None, str | None]:
+        """Its prefix-cache affinity: `prompt_cache_key`, and chat's `cache_salt`."""
+        return None, None
+
+
+class GatewayRequest(RoutedRequest):
+    """Fields both completion routes accept; each adds its own input (prompt, messages)."""
+
+    def streams(self) -> bool:
+        return self.stream
+
+    def end_user(self) -> str | None:
+        return self.user
+
+    def cache_key(self) -> tuple[str | None, str | None]:
+        return self.prompt_cache_key, None
+
     max_tokens: MaxTokens | None = Field(
         default=None,
         description=(
@@ -276,8 +307,3 @@ class GatewayRequest(BaseModel):
             "token. Intended for benchmarking."
         ),
     )
-
-    def for_worker(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """The caller's body as workers should see it; a route whose schema accepts a
-        shape the seed does not (completions' one-string prompt list) rewrites it here."""
-        return payload

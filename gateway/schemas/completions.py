@@ -4,43 +4,58 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Field, StrictInt, Tag
-from pydantic_core import PydanticCustomError
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, StrictInt, Tag
 
-from gateway.schemas.common import GatewayRequest, OpenModel, TokenId, by_shape
+from gateway.schemas.common import GatewayRequest, OpenModel, TokenId
 
-_ONE_PROMPT = (
-    "Input should be one prompt per request: a string, a list holding one string, or a list "
-    "of token ids"
-)
+# A list of prompts is one request holding several (OpenAI's and vLLM's batch form): its
+# admission reserves every one, its answer has one choice per prompt and `n`.
+MAX_PROMPTS = 64
 
 
-def _one_prompt(value: Any) -> Any:
-    """A list holding one string is that string (LangChain's completions client sends one);
-    a list of several strings, or of lists, is a batch: one prompt per request; an empty
-    list is no prompt (a worker would refuse it after the request took a slot)."""
-    if isinstance(value, list) and not value:
-        raise PydanticCustomError("one_prompt", _ONE_PROMPT)
-    if isinstance(value, list) and isinstance(value[0], str | list):
-        if len(value) == 1 and isinstance(value[0], str):
-            return value[0]
-        raise PydanticCustomError("one_prompt", _ONE_PROMPT)
+def one_string(value: Any) -> Any:
+    """A list holding one string is that string (LangChain's completions client sends one)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
     return value
 
 
-def _one_string_list(schema: dict[str, Any]) -> None:
-    """The published schema admits what the validator does: a list holding one string."""
-    schema["oneOf"] = [
-        *schema.get("oneOf", []),
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-    ]
+def _prompt_shape(value: Any) -> str | None:
+    """Text, token ids, or a batch of either: told by the value and its first element."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    if isinstance(first, str):
+        return "texts"
+    return "batch" if isinstance(first, list) else "list"
 
 
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+PROMPT_SHAPE = Discriminator(
+    _prompt_shape,
+    custom_error_type="shape_error",
+    custom_error_message="Input should be a string, a list of token ids, or a list of such prompts",
+)
+# Text or token ids, or a list of at most MAX_PROMPTS of either (a batch).
 Prompt = Annotated[
-    Annotated[str, Tag("str")] | Annotated[list[TokenId], Tag("list"), Field(min_length=1)],
-    by_shape("a string or a list of token ids"),
-    BeforeValidator(_one_prompt),
+    Annotated[str, Tag("str")]
+    | Annotated[TokenIds, Tag("list")]
+    | Annotated[list[str], Tag("texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenIds], Tag("batch"), Field(min_length=1, max_length=MAX_PROMPTS)],
+    PROMPT_SHAPE,
+    BeforeValidator(one_string),
 ]
+
+
+def prompt_count(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    """How many prompts a batch holds (a single one, text or token ids, is one)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
 
 
 class CompletionMultiModalData(OpenModel):
@@ -57,13 +72,13 @@ class CompletionMultiModalData(OpenModel):
 class CompletionRequest(GatewayRequest):
     model_config = ConfigDict(title="OpenAICompletionsIn")
 
-    # One prompt per request, as the seed has it: text or token ids (real integers, not
-    # numeric strings). A list of one string is accepted as that string, and forwarded so.
+    # Text or token ids (real integers, not numeric strings), or a batch of either. A list
+    # of one string is accepted as that string, and forwarded so.
     prompt: Prompt = Field(
         description=(
-            "input prompt - a single string (or a list holding one string) or a list of token ids"
+            "input prompt - a string or a list of token ids; or a list of up to "
+            f"{MAX_PROMPTS} such prompts, each answered with its own choices"
         ),
-        json_schema_extra=_one_string_list,
     )
     logprobs: Annotated[StrictInt, Field(ge=0)] | None = Field(
         default=None, description="return top tokens and their log-probabilities"
@@ -75,6 +90,11 @@ class CompletionRequest(GatewayRequest):
             "data URIs (e.g. 'data:image/png;base64,...')."
         ),
     )
+
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts it holds (a batch's; else one)."""
+        return prompt_count(self.prompt)
 
     def for_worker(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The caller's body with a one-string list prompt as the string the seed expects."""

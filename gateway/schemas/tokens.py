@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from gateway.schemas.chat import ChatRequest, ImageUrlPart, OtherPart, TextPart
-from gateway.schemas.common import GatewayRequest
+from gateway.schemas.common import RoutedRequest
 from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.embeddings import EmbeddingsRequest
+from gateway.schemas.responses import ResponsesRequest
 
 BYTES_PER_TOKEN = 4
 # What a chat template adds around each message (role markers, separators).
@@ -20,10 +24,10 @@ PER_MESSAGE = 4
 PER_MEDIA = 1024
 
 
-def prompt_tokens(request: GatewayRequest) -> int:
+def prompt_tokens(request: RoutedRequest) -> int:
     if isinstance(request, CompletionRequest):
-        prompt, data = request.prompt, request.data
-        text = len(prompt) if isinstance(prompt, list) else _text(prompt)
+        data = request.data
+        text = _prompt(request.prompt)
         # Its images and videos (`data`): each what an encoder adds, as a chat's media parts.
         return text + (PER_MEDIA * (len(data.image) + len(data.video)) if data else 0)
     if isinstance(request, ChatRequest):
@@ -35,12 +39,45 @@ def prompt_tokens(request: GatewayRequest) -> int:
         # The tools offered count too (the chat template writes them into the prompt), from
         # the body as it is forwarded: gateway/completions/exchange.py `tools_tokens`.
         return total
+    if isinstance(request, ResponsesRequest):
+        # Its input items (messages, tool results) by their bytes, as a chat's tools are;
+        # its tools alike, from the forwarded body (gateway/completions/exchange.py).
+        found = request.input
+        items = _text(found) if isinstance(found, str) else len(orjson.dumps(
+            [item.model_dump() for item in found])) // BYTES_PER_TOKEN  # fmt: skip
+        return items + _text(request.instructions or "")
+    if isinstance(request, EmbeddingsRequest):
+        return _prompt(request.input)
     return 0
 
 
-def output_tokens(request: GatewayRequest) -> int | None:
-    """The answer's length the caller asked for (max_tokens, or chat's
-    max_completion_tokens), None when it named none."""
+def sequences(request: RoutedRequest) -> int:
+    """How many answers it asks for: `n` for each of its prompts (a batch's, else one)."""
+    if isinstance(request, CompletionRequest):
+        return request.n * request.prompt_count
+    if isinstance(request, ChatRequest):
+        return request.n
+    return 1
+
+
+def _prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> int:
+    """Text's estimate, token ids counted; a batch's prompts summed."""
+    if isinstance(prompt, str):
+        return _text(prompt)
+    return sum(
+        _text(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 1 for p in prompt
+    )
+
+
+def output_tokens(request: RoutedRequest) -> int | None:
+    """The answer's length the caller asked for (max_tokens, chat's max_completion_tokens,
+    the Responses API's max_output_tokens), None when it named none; an embedding has none."""
+    if isinstance(request, EmbeddingsRequest):
+        return 0
+    if isinstance(request, ResponsesRequest):
+        return request.max_output_tokens
+    if not isinstance(request, CompletionRequest | ChatRequest):
+        return None
     if request.max_tokens is not None:
         return int(request.max_tokens)
     extra = request.model_extra or {}

@@ -6,7 +6,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from routing.errors import UnknownModel
-from routing.registry import Model, Registry
+from routing.registry import Api, Model, Registry
 from tiers.policy import Tier
 from tiers.resolve import applied_tier
 
@@ -33,18 +33,22 @@ def plan_candidates(
     allowed: Collection[str] | None,
     wanted: Tier = Tier.DEFAULT,
     allowed_tiers: Collection[Tier] | None = None,
+    api: Api = "completions",
 ) -> list[Candidate]:
     """Models to try in order, each with the tier it applies. Unknown names (or names the
-    key may not use) are skipped."""
+    key may not use, or models whose workers do not serve `api`) are skipped."""
     names = list(dict.fromkeys(fallbacks)) if fallbacks else [requested]
     known: list[tuple[int, Model]] = []
+    unserved: list[str] = []
     for index, name in enumerate(names):
         model = registry.get(name)
         if model is not None and (allowed is None or name in allowed):
-            known.append((index, model))
+            if api in model.config.serves:
+                known.append((index, model))
+            else:
+                unserved.append(name)
     if not known:
-        shown = ", ".join(repr(n[:256]) for n in names)
-        raise UnknownModel(f"The model {shown} does not exist or is not available to this key.")
+        raise _unknown(names, unserved, api)
     last = len(known) - 1
     return [
         Candidate(
@@ -55,3 +59,13 @@ def plan_candidates(
         )
         for pos, (index, model) in enumerate(known)
     ]
+
+
+def _unknown(names: Sequence[str], unserved: Sequence[str], api: Api) -> UnknownModel:
+    if unserved:
+        shown = ", ".join(repr(n) for n in unserved)
+        return UnknownModel(
+            f"The model {shown} does not serve the {api} API here (its config `serves`)."
+        )
+    shown = ", ".join(repr(n[:256]) for n in names)
+    return UnknownModel(f"The model {shown} does not exist or is not available to this key.")

@@ -44,6 +44,7 @@ limits: {{max_body_bytes: 65536}}
 models:
   m1:
     tiers: [default, priority, flex]
+    serves: [completions, chat, responses]
     endpoints:
       - {{url: "{fast[0].url}", max_concurrency: 4}}
       - {{url: "{fast[1].url}", max_concurrency: 4}}
@@ -54,6 +55,16 @@ models:
   slow:
     endpoints:
       - {{url: "{slow.url}", max_concurrency: 2, model: m1}}
+  # A token budget (never reached here): what a request reserves shows in its record.
+  budgeted:
+    serves: [completions, chat, responses]
+    endpoints:
+      - {{url: "{fast[0].url}", max_concurrency: 4, model: m1, max_tokens_in_flight: 100000}}
+  # An embedding model's workers serve nothing else.
+  embed:
+    serves: [embeddings]
+    endpoints:
+      - {{url: "{fast[1].url}", max_concurrency: 4, model: m1, max_tokens_in_flight: 100000}}
   misnamed:
     endpoints:
       - {{url: "{fast[0].url}", max_concurrency: 1, model: not-served-here}}

@@ -72,7 +72,15 @@ def test_streamed_chat_alias_model(client: openai.OpenAI) -> None:
 
 def test_models_list_follows_the_key(fleet: Fleet, sdk: Sdk) -> None:
     full = sdk(fleet.base_url).models.list()
-    assert {m.id for m in full.data} == {"m1", "m2", "slow", "misnamed", SLASHED}
+    assert {m.id for m in full.data} == {
+        "m1",
+        "m2",
+        "slow",
+        "budgeted",
+        "embed",
+        "misnamed",
+        SLASHED,
+    }
     limited = sdk(fleet.base_url, KEY_LIMITED).models.list()
     assert [m.id for m in limited.data] == ["m1"]
 
@@ -123,3 +131,14 @@ def _running(fleet: Fleet) -> float:
 
 def _aborted(fleet: Fleet) -> float:
     return _metric(fleet, 'vllm:request_success_total{finished_reason="abort"')
+
+
+def test_a_chat_message_carries_refusal_null_as_vllm_sends_it(client: openai.OpenAI) -> None:
+    """OpenAI's schema requires `refusal` on an assistant message; vLLM sends it null, and
+    so does the simulator the suite runs on, through the gateway untouched."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}]
+    )
+    message = raw.http_response.json()["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None
+    assert raw.parse().choices[0].message.refusal is None

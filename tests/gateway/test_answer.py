@@ -25,6 +25,7 @@ from gateway.completions.answer import (
     rewrite_answer,
     worker_error,
 )
+from gateway.completions.streamusage import StreamUsage, UsageForm
 from gateway.errors import (
     RateLimited,
     UpstreamFailed,
@@ -65,8 +66,12 @@ def worker_stream() -> bytes:
     )
 
 
-def rewriter(include_usage: bool = True, tier: str = "flex") -> StreamRewriter:
-    return StreamRewriter(MODEL, tier, include_usage, Usage())
+OPENAI = StreamUsage(UsageForm.CHUNK)
+FORMS = [StreamUsage(form, continuous) for form in UsageForm for continuous in (False, True)]
+
+
+def rewriter(wanted: StreamUsage = OPENAI, tier: str = "flex") -> StreamRewriter:
+    return StreamRewriter(MODEL, tier, wanted, Usage())
 
 
 def events(out: bytes) -> list[bytes]:
@@ -86,9 +91,9 @@ def feed_all(rw: StreamRewriter, parts: list[bytes]) -> bytes:
 
 
 @settings(max_examples=100, deadline=None)
-@given(data=st.data(), crlf=st.booleans(), include_usage=st.booleans())
+@given(data=st.data(), crlf=st.booleans(), wanted=st.sampled_from(FORMS))
 def test_any_chunking_gives_the_same_output(
-    data: st.DataObject, crlf: bool, include_usage: bool
+    data: st.DataObject, crlf: bool, wanted: StreamUsage
 ) -> None:
     stream = worker_stream()
     if crlf:
@@ -99,9 +104,9 @@ def test_any_chunking_gives_the_same_output(
     bounds = [0, *cuts, len(stream)]
     parts = [stream[a:b] for a, b in pairwise(bounds)]
 
-    whole = rewriter(include_usage)
+    whole = rewriter(wanted)
     expected = whole.feed(stream)
-    split = rewriter(include_usage)
+    split = rewriter(wanted)
     assert feed_all(split, parts) == expected
     assert split.done and whole.done
     assert split.usage == whole.usage
@@ -180,15 +185,21 @@ def test_no_usage_means_not_reported() -> None:
 
 
 def test_usage_chunk_kept_when_include_usage() -> None:
-    out = rewriter(include_usage=True).feed(worker_stream())
+    out = rewriter(OPENAI).feed(worker_stream())
     bodies = payloads(out)
     assert bodies[-1]["choices"] == []
     assert bodies[-1]["usage"] == USAGE
-    assert bodies[1]["usage"] == USAGE
+    assert bodies[1]["usage"] is None  # on the chunks before the last only when continuous
+
+
+def test_continuous_usage_kept_on_every_chunk() -> None:
+    out = rewriter(StreamUsage(UsageForm.CHUNK, continuous=True)).feed(worker_stream())
+    bodies = payloads(out)
+    assert bodies[1]["usage"] == USAGE and bodies[-1]["usage"] == USAGE
 
 
 def test_usage_only_chunk_dropped_and_usage_removed_without_include_usage() -> None:
-    rw = rewriter(include_usage=False)
+    rw = rewriter(StreamUsage(UsageForm.NONE))
     out = rw.feed(worker_stream())
     bodies = payloads(out)
     assert len(bodies) == 2
@@ -252,7 +263,7 @@ LIMIT = 1024
 
 
 def bounded(limit: int = LIMIT) -> StreamRewriter:
-    return StreamRewriter(MODEL, "default", True, Usage(), max_event_bytes=limit)
+    return StreamRewriter(MODEL, "default", OPENAI, Usage(), max_event_bytes=limit)
 
 
 def sized_event(size: int) -> bytes:
@@ -553,10 +564,10 @@ _TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
     worker_model=st.text(alphabet="abcdefghij-/._:", min_size=1, max_size=12),
     spaced=st.booleans(),
     model_first=st.booleans(),
-    include_usage=st.booleans(),
+    wanted=st.sampled_from(FORMS),
 )
 def test_spliced_chunks_equal_parsed_chunks(
-    content: str, worker_model: str, spaced: bool, model_first: bool, include_usage: bool
+    content: str, worker_model: str, spaced: bool, model_first: bool, wanted: StreamUsage
 ) -> None:
     chunk: dict[str, object] = {"id": "c1", "object": "chat.completion.chunk", "created": 1}
     choices = [{"index": 0, "delta": {"content": content}, "finish_reason": None}]
@@ -565,11 +576,11 @@ def test_spliced_chunks_equal_parsed_chunks(
         items.reverse()
     chunk.update(items)
     raw = json.dumps(chunk, separators=(", ", ": ") if spaced else (",", ":")).encode()
-    rewriter = StreamRewriter("gw/served", "flex", include_usage, Usage())
+    rewriter = StreamRewriter("gw/served", "flex", wanted, Usage())
     out = rewriter.feed(b"data: " + raw + b"\n\n")
     assert out.startswith(b"data: ") and out.endswith(b"\n\n")
     got = json.loads(out[6:-2])
     expected = {**chunk, "model": "gw/served", "service_tier": "flex"}
-    if not include_usage:
+    if wanted.form is UsageForm.NONE:
         del expected["usage"]
     assert got == expected

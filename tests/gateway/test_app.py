@@ -141,15 +141,21 @@ def test_a_one_string_prompt_list_goes_on_as_the_string(loop: asyncio.AbstractEv
     assert upstream.sent[-1][1] == {"model": "m1", "prompt": "say hi", "x": 1}
 
 
-def test_a_batch_of_prompts_is_a_422_naming_prompt(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_batch_of_prompts_goes_on_as_one_request(loop: asyncio.AbstractEventLoop) -> None:
     app, upstream = make_app()
     resp = post(loop, app, "/v1/completions", b'{"model": "m1", "prompt": ["a", "b"]}')
+    assert resp.status_code == 200, resp.text
+    assert [sent[1]["prompt"] for sent in upstream.sent] == [["a", "b"]]
+
+
+def test_a_mixed_batch_is_a_422_naming_the_prompt(loop: asyncio.AbstractEventLoop) -> None:
+    app, upstream = make_app()
+    resp = post(loop, app, "/v1/completions", b'{"model": "m1", "prompt": ["a", 2]}')
     assert resp.status_code == 422
     body = resp.json()
-    assert body["detail"][0]["loc"] == ["body", "prompt"]
-    assert body["error"]["param"] == "prompt"
-    assert body["error"]["message"].startswith("prompt: ")
-    assert "one prompt per request" in body["error"]["message"]
+    assert body["detail"][0]["loc"] == ["body", "prompt", 1]
+    assert body["error"]["param"] == "prompt.1"
+    assert body["error"]["message"].startswith("prompt.1: ")
     assert upstream.sent == []
 
 

@@ -10,6 +10,7 @@ import fakeredis
 import orjson
 import pytest
 
+from gateway.completions.apis import ROUTES
 from gateway.completions.exchange import Exchange, Usage
 from gateway.completions.hop import Hop
 from gateway.edge.asgi import Message, Reply
@@ -98,7 +99,7 @@ async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[M
         sent.append(message)
 
     exchange = Exchange("rid-1", time.perf_counter(), False, True, Usage())
-    await Hop(state, exchange, admitted, "/v1/completions", {}, Reply(send)).run()
+    await Hop(state, exchange, admitted, ROUTES[0], {}, Reply(send)).run()
     return exchange, sent
 
 

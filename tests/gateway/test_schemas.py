@@ -186,15 +186,35 @@ def test_one_prompt_as_text_one_string_list_or_token_ids(prompt: Any, seen: Any)
     assert req.for_worker(body) == body | {"prompt": seen}
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [["a"]], [[1, 2]], ["a"] * 3, ["a", 1], []])
-def test_a_batch_of_prompts_is_one_prompt_per_request(prompt: Any) -> None:
-    """Several prompts, or none (an empty list), are refused before a slot is taken."""
+@pytest.mark.parametrize(
+    ("prompt", "count"), [(["a", "b"], 2), (["a"] * 64, 64), ([[1, 2]], 1), ([[1], [2, 3]], 2)]
+)
+def test_a_batch_of_prompts_is_accepted_as_it_is(prompt: Any, count: int) -> None:
+    """OpenAI's and vLLM's list of prompts: one request, forwarded as the list."""
+    body = completion_body() | {"prompt": prompt}
+    req = CompletionRequest.model_validate(body)
+    assert (req.prompt, req.prompt_count) == (prompt, count)
+    assert req.for_worker(body) == body
+
+
+@pytest.mark.parametrize(
+    ("prompt", "loc", "kind"),
+    [
+        ([], ("prompt", "list"), "too_short"),
+        (["a"] * 65, ("prompt", "texts"), "too_long"),
+        (["a", 1], ("prompt", "texts", 1), "string_type"),
+        ([[]], ("prompt", "batch", 0), "too_short"),
+        ([[1], "a"], ("prompt", "batch", 1), "list_type"),
+        ([["a"]], ("prompt", "batch", 0, 0), "int_type"),
+        ({"text": "a"}, ("prompt",), "shape_error"),
+    ],
+)
+def test_a_bad_prompt_list_is_refused_naming_the_place(prompt: Any, loc: Any, kind: str) -> None:
+    """No prompt at all, too many, or a mixed batch is refused before a slot is taken."""
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate(completion_body() | {"prompt": prompt})
     [error] = info.value.errors()
-    assert error["loc"] == ("prompt",)
-    assert error["type"] == "one_prompt"
-    assert "one prompt per request" in error["msg"]
+    assert (error["loc"], error["type"]) == (loc, kind)
 
 
 @pytest.mark.parametrize("tier", ["default", "priority", "flex", "auto", "standard_only", None])
@@ -290,11 +310,11 @@ SHARED_BAD: list[tuple[str, Any]] = [
 ]
 
 COMPLETION_BAD: list[tuple[str, Any]] = [
-    ("prompt", ["a", "b"]),
+    ("prompt", ["a"] * 65),
     ("prompt", [["1"]]),
     ("prompt", ["a", 1]),
     ("prompt", [1, "a"]),
-    ("prompt", ["1", "2"]),
+    ("prompt", [[1], ["2"]]),
     ("prompt", 5),
     ("prompt", None),
     ("logprobs", -1),

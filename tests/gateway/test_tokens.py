@@ -10,7 +10,13 @@ import pytest
 from gateway.completions.exchange import tools_tokens
 from gateway.schemas.chat import ChatRequest
 from gateway.schemas.completions import CompletionRequest
-from gateway.schemas.tokens import PER_MEDIA, PER_MESSAGE, output_tokens, prompt_tokens
+from gateway.schemas.tokens import (
+    PER_MEDIA,
+    PER_MESSAGE,
+    output_tokens,
+    prompt_tokens,
+    sequences,
+)
 
 IMAGE = "data:image/png;base64,AAAA"
 
@@ -30,6 +36,17 @@ def chat(*content: Any, **fields: Any) -> ChatRequest:
 )
 def test_a_completions_prompt(prompt: Any, tokens: int) -> None:
     assert prompt_tokens(completion(prompt=prompt)) == tokens
+
+
+def test_a_batch_reserves_every_prompt_and_each_of_its_answers() -> None:
+    """Two prompts (1 and 2 tokens, and one of token ids), n=2: every prompt in the
+    cache, and n answers for each of them."""
+    request = completion(prompt=["abcd", "abcdefgh", "abc"], n=2, max_tokens=5)
+    assert (prompt_tokens(request), sequences(request)) == (4, 6)
+    ids = completion(prompt=[[1, 2, 3], [4]], n=3)
+    assert (prompt_tokens(ids), sequences(ids)) == (4, 6)
+    assert sequences(completion(prompt=[1, 2, 3], n=3)) == 3  # one prompt of token ids
+    assert sequences(chat("hi", n=2)) == 2
 
 
 def test_a_completions_images_and_videos_count_as_media() -> None:

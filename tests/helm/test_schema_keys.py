@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.runtime.settings import AccountConfig, KeyConfig
+from gateway.runtime.settings import AccountConfig, CorsConfig, KeyConfig
 from routing.registry import EndpointConfig, ModelConfig
 from tiers.policy import Tier, TierPolicy
 
@@ -57,3 +57,7 @@ def test_the_schema_takes_every_key_of_a_key_and_an_account() -> None:
     assert set(digest) == set(KeyConfig.model_fields)
     account = gateway_schema()["accounts"]["additionalProperties"]["properties"]
     assert set(account) == set(AccountConfig.model_fields)
+
+
+def test_the_schema_takes_every_key_of_cors() -> None:
+    assert set(gateway_schema()["cors"]["properties"]) == set(CorsConfig.model_fields)
