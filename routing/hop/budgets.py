@@ -184,8 +184,9 @@ class TokenBudgets:
         if worker.auto and worker.kv_tokens is None and not worker.told_unknown:
             worker.told_unknown = True
             log.warning(
-                "endpoint %s: its token budget is auto, and its /metrics has not told its KV "
-                "cache's size (vllm:cache_config_info) yet: requests are counted only",
+                "endpoint %s: its token budget is auto, and it has not told its KV cache's "
+                "size yet (vLLM: vllm:cache_config_info in /metrics; llama.cpp: n_ctx and "
+                "total_slots in /props): requests are counted only",
                 url,
             )
         return before != [b.effective(worker.kv_tokens) for b in worker.budgets.values()]

@@ -264,27 +264,31 @@ class Health:
         round takes at most that, whatever an endpoint reads. The parse is this replica's
         own work, not the worker's: it waits its turn outside the timeout."""
         load, cache = self.budgets.needs(health.url)
-        page: str | None = None
+        page = props = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 ok = (await self._get(health.url + "/health"))[0] == 200
                 if ok and (health.scrape or load or cache):
-                    page = await self._read(health)
+                    page = await self._read(health, "/metrics")
+                if cache and page is not None and scrape.LLAMA in page:
+                    props = await self._read(health, "/props")  # llama.cpp's cache size
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False, None
-        return ok, None if page is None else await self._parse(page, health.scrape or load, cache)
+        if page is None:
+            return ok, None
+        return ok, await self._parse(page, health.scrape or load, cache, props)
 
-    async def _read(self, health: EndpointHealth) -> str | None:
-        """The worker's /metrics page; None when it did not answer 200 or is too large."""
-        status, text = await self._get(health.url + "/metrics")
+    async def _read(self, health: EndpointHealth, path: str) -> str | None:
+        """One of the worker's pages; None when it did not answer 200 or is too large."""
+        status, text = await self._get(health.url + path)
         if text is None and not health.told_too_large:
             health.told_too_large = True
             log.warning(
-                "endpoint %s: /metrics larger than %d bytes, not read", health.url, MAX_BODY_BYTES
+                "endpoint %s: %s larger than %d bytes, not read", health.url, path, MAX_BODY_BYTES
             )
         return text if status == 200 else None
 
-    async def _parse(self, text: str, load: bool, cache: bool) -> Reading:
+    async def _parse(self, text: str, load: bool, cache: bool, props: str | None) -> Reading:
         """The page parsed off the event loop: a hostile one (8 MiB of one label set) takes
         the parser most of a second, which the replica's requests must not wait out. On one
         thread of its own, one page at a time: a round of 1,000 endpoints queues its parses
@@ -292,7 +296,7 @@ class Health:
         never contend for the GIL with each other."""
         if self._parser is None:
             self._parser = ThreadPoolExecutor(1, thread_name_prefix="gateway-health-parse")
-        read = partial(scrape.read, text, load=load, cache=cache)
+        read = partial(scrape.read, text, load=load, cache=cache, props=props)
         return await asyncio.get_running_loop().run_in_executor(self._parser, read)
 
     async def _get(self, url: str) -> tuple[int, str | None]:

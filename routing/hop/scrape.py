@@ -1,9 +1,12 @@
-"""What a worker's /metrics says: the few vLLM gauges the gateway reads.
+"""What a worker's /metrics says: the few vLLM (and llama.cpp) gauges the gateway reads.
 
 One pass over the text picks the samples of the names asked for and nothing else (a vLLM's
 /metrics is mostly histograms no one here reads). Odd text never raises: a line that does
 not parse is skipped, a value that is not a finite number is no value, and sizes are held
 to bounds; the caller bounds the text's length (routing/hop/health.py).
+
+llama.cpp's llama-server tells no KV-cache size in its /metrics: its `/props` does (each
+slot's `n_ctx`, and `total_slots`), read beside them for `auto` (`props_tokens`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
-WAITING = ("vllm:num_requests_waiting",)
+import orjson
+
+# vLLM's queue, and llama.cpp's (requests no slot took yet).
+WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
+# What a llama-server's /metrics lines start with: its cache's size is in /props.
+LLAMA = "llamacpp:"
 # vLLM renamed its KV-cache gauge; both are read (the first found wins).
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 # An info gauge (value 1): the cache's shape in its labels, one sample per engine of a
@@ -36,15 +45,39 @@ class Reading:
     kv_tokens: int | None = None  # its KV cache in tokens: num_gpu_blocks x block_size
 
 
-def read(text: str, *, load: bool, cache: bool) -> Reading:
-    """The worker's queue and KV-cache use (`load`) and its KV cache's size (`cache`)."""
+def read(text: str, *, load: bool, cache: bool, props: str | None = None) -> Reading:
+    """The worker's queue and KV-cache use (`load`) and its KV cache's size (`cache`: from
+    vLLM's /metrics, else from llama.cpp's /props, when given)."""
     names = set(LOAD if load else ()) | ({CACHE_CONFIG} if cache else set())
     samples = _samples(text, names)
+    tokens = _cache_tokens(samples.get(CACHE_CONFIG, [])) if cache else None
+    if cache and tokens is None and props is not None:
+        tokens = props_tokens(props)
     return Reading(
         _sum(samples, WAITING) if load else None,
         _sum(samples, KV_USAGE) if load else None,
-        _cache_tokens(samples.get(CACHE_CONFIG, [])) if cache else None,
+        tokens,
     )
+
+
+def props_tokens(text: str) -> int | None:
+    """llama.cpp's KV cache in tokens, from its /props: each slot's context (`n_ctx` of
+    `default_generation_settings`) times `total_slots`; None when it does not say."""
+    try:
+        props: Any = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    if not isinstance(settings, dict):
+        return None
+    n_ctx, slots = _positive(settings.get("n_ctx")), _positive(props.get("total_slots"))
+    if n_ctx is None or slots is None:
+        return None
+    return min(MAX_TOKENS, n_ctx * slots)
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def gauge(text: str, names: tuple[str, ...]) -> float:
@@ -57,7 +90,7 @@ def _samples(text: str, names: Collection[str]) -> dict[str, list[tuple[str, flo
     """The samples of `names`: (their label text, their value), in the text's order."""
     found: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(("vllm:", LLAMA)):
             continue
         end = len(line)
         for stop in ("{", " ", "\t"):

@@ -304,9 +304,9 @@ async def test_a_workers_metrics_are_read_off_the_event_loop(
     threads: list[threading.Thread] = []
     real_read = scrape.read
 
-    def read(text: str, *, load: bool, cache: bool) -> Reading:
+    def read(text: str, *, load: bool, cache: bool, props: str | None = None) -> Reading:
         threads.append(threading.current_thread())
-        return real_read(text, load=load, cache=cache)
+        return real_read(text, load=load, cache=cache, props=props)
 
     monkeypatch.setattr(scrape, "read", read)
     health = Health(Registry(config.models), HealthSettings(), lambda _: None)
@@ -361,13 +361,13 @@ async def test_metrics_are_parsed_one_at_a_time_on_a_thread_of_their_own(
     lock, running, most = threading.Lock(), [0], [0]
     real_read = scrape.read
 
-    def read(text: str, *, load: bool, cache: bool) -> Reading:
+    def read(text: str, *, load: bool, cache: bool, props: str | None = None) -> Reading:
         with lock:
             threads.append(threading.current_thread())
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
-            return real_read(text, load=load, cache=cache)
+            return real_read(text, load=load, cache=cache, props=props)
         finally:
             with lock:
                 running[0] -= 1

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from routing.hop.scrape import MAX_TOKENS, Reading, gauge, read
+from routing.hop.scrape import MAX_TOKENS, Reading, gauge, props_tokens, read
 
 # As vLLM (v1) writes it, abridged: one info sample with the cache's shape in labels.
 VLLM = """\
@@ -126,3 +126,39 @@ def test_random_text_never_raises() -> None:
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 40)))
         reading = read(text, load=True, cache=True)
         assert reading.kv_tokens is None or 0 < reading.kv_tokens <= MAX_TOKENS
+
+
+# As llama.cpp's llama-server writes them (`--metrics`, and /props abridged).
+LLAMA = """\
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 3
+"""
+PROPS = '{"default_generation_settings": {"n_ctx": 4096, "params": {}}, "total_slots": 4}'
+
+
+def test_llama_cpp_its_queue_from_metrics_its_cache_from_props() -> None:
+    reading = read(LLAMA, load=True, cache=True, props=PROPS)
+    assert (reading.waiting, reading.kv_usage, reading.kv_tokens) == (3.0, None, 4096 * 4)
+    assert read(LLAMA, load=True, cache=True).kv_tokens is None  # /props not read: unknown
+    # vLLM's own size wins over any /props.
+    assert read(VLLM, load=False, cache=True, props=PROPS).kv_tokens == 27182 * 16
+
+
+@pytest.mark.parametrize(
+    "props",
+    ["", "[]", "{}", '{"default_generation_settings": 1, "total_slots": 2}',
+     '{"default_generation_settings": {"n_ctx": 0}, "total_slots": 2}',
+     '{"default_generation_settings": {"n_ctx": true}, "total_slots": 2}',
+     '{"default_generation_settings": {"n_ctx": 4096}, "total_slots": "2"}'],
+)  # fmt: skip
+def test_props_that_do_not_say_give_no_size(props: str) -> None:
+    assert props_tokens(props) is None
+
+
+def test_props_size_is_bounded() -> None:
+    huge = '{"default_generation_settings": {"n_ctx": 1000000000}, "total_slots": 1000}'
+    assert props_tokens(huge) == MAX_TOKENS
