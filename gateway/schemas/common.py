@@ -206,8 +206,21 @@ class RoutedRequest(BaseModel):
         return None, None
 
 
-class GatewayRequest(RoutedRequest):
-    """Fields both completion routes accept; each adds its own input (prompt, messages)."""
+class GeneratingRequest(RoutedRequest):
+    """A request for generated text (completions, chat, responses): it may stream, names its
+    end-user and may ask for a worker whose prefix cache holds its prompt."""
+
+    stream: StrictBool = Field(
+        default=False,
+        description="whether to stream the output via SSE or return the full response",
+    )
+    user: str | None = Field(
+        default=None, description="A unique identifier representing your end-user."
+    )
+    prompt_cache_key: str | None = Field(
+        default=None,
+        description="A key to identify prompt cache for reuse across requests.",
+    )
 
     def streams(self) -> bool:
         return self.stream
@@ -217,6 +230,10 @@ class GatewayRequest(RoutedRequest):
 
     def cache_key(self) -> tuple[str | None, str | None]:
         return self.prompt_cache_key, None
+
+
+class GatewayRequest(GeneratingRequest):
+    """Fields both completion routes accept; each adds its own input (prompt, messages)."""
 
     max_tokens: MaxTokens | None = Field(
         default=None,
@@ -244,10 +261,6 @@ class GatewayRequest(RoutedRequest):
     )
     n: Annotated[StrictInt, Field(ge=1, le=4)] = Field(
         default=1, description="number of sequences to return"
-    )
-    stream: StrictBool = Field(
-        default=False,
-        description="whether to stream the output via SSE or return the full response",
     )
     stream_options: StreamOptions | None = Field(default=None, description="streaming options")
     echo: StrictBool | None = Field(
@@ -282,19 +295,12 @@ class GatewayRequest(RoutedRequest):
             "(> 1 penalize, < 1 encourage)"
         ),
     )
-    user: str | None = Field(
-        default=None, description="A unique identifier representing your end-user."
-    )
     seed: Seed | None = Field(
         default=None,
         description="Seed for random number generator. If not provided, a random seed is used.",
     )
     return_tokens_as_token_ids: StrictBool | None = Field(
         default=None, description="return tokens as token ids"
-    )
-    prompt_cache_key: str | None = Field(
-        default=None,
-        description="A key to identify prompt cache for reuse across requests.",
     )
     prompt_cache_options: PromptCacheOptions | None = Field(
         default=None,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, StrictBool, StrictFloat, Tag
+from pydantic import ConfigDict, Field, StrictFloat, Tag
 
-from gateway.schemas.common import MaxTokens, OpenModel, RoutedRequest, by_shape
+from gateway.schemas.common import GeneratingRequest, MaxTokens, OpenModel, by_shape
 
 # Items of an input list (messages, tool outputs, ...), at most.
 MAX_INPUT_ITEMS = 4096
@@ -19,7 +19,7 @@ ResponsesInput = Annotated[
 ]
 
 
-class ResponsesRequest(RoutedRequest):
+class ResponsesRequest(GeneratingRequest):
     model_config = ConfigDict(title="ResponsesIn")
 
     input: ResponsesInput = Field(
@@ -29,25 +29,11 @@ class ResponsesRequest(RoutedRequest):
     max_output_tokens: MaxTokens | None = Field(
         default=None, description="The most tokens the answer may have, reasoning included"
     )
-    stream: StrictBool = Field(default=False, description="whether to stream the events (SSE)")
     temperature: Annotated[StrictFloat, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] | None = None
     tools: list[OpenModel] | None = Field(default=None, max_length=512)
-    user: str | None = Field(default=None, description="A unique identifier of your end-user.")
-    prompt_cache_key: str | None = Field(
-        default=None, description="A key to identify prompt cache for reuse across requests."
-    )
     # A background response runs on after its request has ended: the fleet could not count
     # what it holds, so the gateway does not take one.
     background: Literal[False] | None = Field(
         default=None, description="Not supported here: every response runs in its request"
     )
-
-    def streams(self) -> bool:
-        return self.stream
-
-    def end_user(self) -> str | None:
-        return self.user
-
-    def cache_key(self) -> tuple[str | None, str | None]:
-        return self.prompt_cache_key, None
