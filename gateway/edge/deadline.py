@@ -25,8 +25,18 @@ def request_deadline(value: str | None) -> float | None:
     seconds = float(text) if _NUMBER.fullmatch(text) else math.nan
     if not (0.0 < seconds < math.inf):
         raise HeaderInvalid(
-            f"{HEADER}: must be a number of seconds greater than 0, got {value[:32]!r}.",
+            f"{HEADER}: must be a number of seconds greater than 0, got {_shown(value)}.",
             param=HEADER,
             headers={"x-should-retry": "false"},
         )
     return min(seconds, MAX_S)
+
+
+def _shown(value: str) -> str:
+    """The value as the caller wrote it: header bytes come as latin-1, most clients send
+    UTF-8 (read back as written, not as mojibake); cut to 32 characters, quoted."""
+    try:
+        text = value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        text = value
+    return repr(text[:32])

@@ -32,3 +32,14 @@ def test_anything_else_is_a_400_naming_the_header(value: str) -> None:
     assert caught.value.status == 400
     assert caught.value.param == "x-request-timeout"
     assert caught.value.message.startswith("x-request-timeout: ")
+
+
+def test_a_non_ascii_value_is_quoted_as_the_caller_wrote_it() -> None:
+    """Header bytes reach the app as latin-1: a UTF-8 value is shown decoded, readable."""
+    sent = "5 секунд".encode().decode("latin-1")  # what the ASGI scope holds
+    with pytest.raises(HeaderInvalid) as caught:
+        request_deadline(sent)
+    assert "'5 секунд'" in caught.value.message
+    with pytest.raises(HeaderInvalid) as caught:
+        request_deadline("\xff5")  # not UTF-8: shown as it came
+    assert repr("\xff5") in caught.value.message
