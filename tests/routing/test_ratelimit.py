@@ -112,6 +112,17 @@ async def test_a_bucket_refills_continuously(buckets: Buckets) -> None:
     assert [(await buckets.take(rates))[3] for _ in range(6)] == [5, 4, 3, 2, 1, 0]
 
 
+async def test_a_window_of_t_seconds_takes_the_burst_and_t_seconds_of_refill(
+    buckets: Buckets,
+) -> None:
+    """docs/api.md's rule, as OpenAI states its own: a burst of N, then N a minute. In any
+    t seconds at most N + N*t/60: rpm 60 takes 61 within 1.5 s, not "60 in any minute"."""
+    rates = limits(rpm=60)
+    assert [(await buckets.take(rates))[0] for _ in range(60)] == [TAKEN] * 60
+    await buckets.age("r:k1", 1.5)
+    assert [(await buckets.take(rates))[0] for _ in range(2)] == [TAKEN, REFUSED_REQUESTS]
+
+
 async def test_tokens_are_charged_by_the_request_and_refused_with_their_wait(
     buckets: Buckets,
 ) -> None:
