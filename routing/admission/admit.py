@@ -229,7 +229,7 @@ class Admission:
                 why = f"{cand.model.name!r} has no healthy endpoint."
                 last = Unavailable(why, UnavailableReason.NO_HEALTHY_ENDPOINT)
                 continue
-            if (too_large := self._too_large(cand.model.name, walk.tokens)) is not None:
+            if (too_large := self._too_large(cand.model.name, walk.tokens, cand.tier)) is not None:
                 last = too_large
                 continue
             deadline = self._clock() + self._tiers.policy(cand.tier).queue_timeout_s
@@ -350,9 +350,12 @@ class Admission:
         }
         return reservation(candidates, tokens, budgeted)
 
-    def _too_large(self, model: str, tokens: int) -> TooLarge | None:
-        largest = [self.slots[p].largest_budget() for p in self.rotations[model].parts]
-        return too_large(model, tokens, largest)
+    def _too_large(self, model: str, tokens: int, tier: Tier) -> TooLarge | None:
+        parts = [self.slots[p] for p in self.rotations[model].parts]
+        whole = [s.largest_budget() for s in parts]
+        wholes = [w for w in whole if w]
+        largest = [s.largest_budget(tier) for s in parts]
+        return too_large(model, tokens, largest, tier, max(wholes, default=None))
 
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about

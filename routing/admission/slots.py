@@ -7,6 +7,7 @@ times come from Redis `TIME` inside the scripts, never from a replica's clock.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -169,13 +170,18 @@ class ModelSlots:
     def timing(self) -> Timing:
         return self._timing
 
-    def largest_budget(self) -> int | None:
-        """The largest whole token budget of the endpoints in rotation: a request reserving
-        more could never be served. None when one of them holds no budget (anything fits
-        it); 0 when none is in rotation."""
+    def largest_budget(self, tier: Tier | None = None) -> int | None:
+        """The most a request of `tier` may reserve on an endpoint in rotation: its share
+        (max_utilization) of the largest whole token budget (None: the whole of it); a
+        request reserving more could never be served at that tier (prelude.lua `fits`, from
+        the same share as the scripts read it). None when an endpoint holds no budget
+        (anything fits it); 0 when none is in rotation."""
         if any(budget == 0 for _, _, budget, _ in self._spec.values()):
             return None
-        return max((whole for *_, whole in self._spec.values()), default=0)
+        whole = max((whole for *_, whole in self._spec.values()), default=0)
+        if tier is None:
+            return whole
+        return math.floor(whole * float(self._shares[tier.rank]))
 
     def index(self) -> Call | None:
         """The endpoint index's change since this replica last wrote it (all of it when it

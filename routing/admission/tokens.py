@@ -11,6 +11,7 @@ from routing.errors import TooLarge
 
 if TYPE_CHECKING:
     from routing.admission.plan import Candidate
+    from tiers.policy import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,20 +44,28 @@ def reservation(
     return tokens.reservation(max(caps)) if caps else 0
 
 
-def too_large(model: str, tokens: int, largest: Sequence[int | None]) -> TooLarge | None:
-    """The refusal of a reservation of `tokens` no endpoint of `model` could ever hold,
-    given each of its partitions' largest whole budget (`ModelSlots.largest_budget`: None
-    when an endpoint holds none, 0 when none is in rotation), else None."""
+def too_large(
+    model: str, tokens: int, largest: Sequence[int | None], tier: Tier, whole: int | None = None
+) -> TooLarge | None:
+    """The refusal of a reservation of `tokens` no endpoint of `model` could ever hold at
+    `tier`, given each of its partitions' most a request of that tier may reserve
+    (`ModelSlots.largest_budget`: None when an endpoint holds none, 0 when none is in
+    rotation) and the largest whole budget (`whole`, for the message), else None."""
     budgets = [b for b in largest if b != 0]
     if not tokens or not budgets or None in budgets:
         return None
     budget = max(b or 0 for b in budgets)
     if tokens <= budget:
         return None
+    holds = f"({budget} tokens)"
+    if whole is not None and whole > budget:
+        holds = (
+            f"for the {tier.value} tier ({budget} tokens: a tier fills at most its "
+            f"max_utilization of an endpoint's {whole})"
+        )
     why = (
         f"This request needs about {tokens} tokens of a worker's KV cache (its prompt "
         f"and max_tokens, capped at {model!r}'s max_tokens_default), more than any "
-        f"endpoint of {model!r} holds ({budget} tokens): shorten the prompt or lower "
-        "max_tokens."
+        f"endpoint of {model!r} holds {holds}: shorten the prompt or lower max_tokens."
     )
     return TooLarge(why, tokens, budget)

@@ -232,3 +232,59 @@ def gateway_up(http: httpx.Client, gateway: str, model: str, endpoint: str) -> b
             }:
                 return sample.value == 1
     return False
+
+
+def test_a_tier_never_reserves_more_than_its_share_of_a_budget(tmp_path: Path) -> None:
+    """docs/api.md: a tier fills at most its `max_utilization` of an endpoint's token budget,
+    alone on an idle endpoint too; a request larger than its tier's share is refused before
+    it queues (400 context_too_large, naming the tier's share), where the same request of a
+    tier with the whole budget runs (issue 41: a lone flex request of 2,000 tokens took the
+    whole budget of 2,000; default at 0.5 took 1,900)."""
+    import openai
+
+    sim = procs.sim(tmp_path, "--tokens", "2")
+    model, key = "tier-share", "sk-tier-share"
+    store = redis.Redis.from_url(REDIS_URL)
+    gateway = None
+    try:
+        gateway = procs.gateway(
+            tmp_path,
+            f"""
+redis: {{url: "{REDIS_URL}"}}
+tiers: {{default: {{max_utilization: 0.5}}}}
+keys: [{{sha256: "{digest(key)}", account: tier-share}}]
+models:
+  {model}:
+    max_tokens_default: 4000
+    tiers: [default, priority, flex]
+    endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1, max_tokens_in_flight: 2000}}]
+""",
+        )
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+
+        def ask(tier: str, tokens: int) -> int | str:
+            # A prompt of 4 token ids counts 4: the reservation is exactly `tokens`.
+            try:
+                client.completions.create(
+                    model=model, prompt=[1, 2, 3, 4], max_tokens=tokens - 4,
+                    extra_body={"service_tier": tier},
+                )  # fmt: skip
+            except openai.BadRequestError as exc:
+                body = exc.body if isinstance(exc.body, dict) else {}
+                return f"{body.get('code')}: {body.get('message')}"
+            return 200
+
+        assert ask("priority", 2000) == 200  # its ceiling is the whole budget
+        for tier, most in (("flex", 1600), ("default", 1000)):
+            refused = ask(tier, most + 1)
+            assert isinstance(refused, str) and refused.startswith("context_too_large"), refused
+            assert f"for the {tier} tier ({most} tokens" in refused, refused
+            assert ask(tier, 2000) != 200
+            assert ask(tier, most) == 200  # exactly its share fits
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        sim.stop()
+        if keys := store.keys("gw:{" + model + "}:*"):
+            store.delete(*keys)
+        store.close()

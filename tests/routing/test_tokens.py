@@ -71,16 +71,41 @@ async def test_a_tier_fills_at_most_its_share_of_a_budget(real_redis: aioredis.R
     assert await reserved(m) == {A: 1000}
 
 
-async def test_alone_on_an_endpoint_a_request_always_fits(real_redis: aioredis.Redis) -> None:
+async def test_alone_on_an_endpoint_a_request_fits_its_share_of_the_whole_budget(
+    real_redis: aioredis.Redis,
+) -> None:
     """A budget that adapts may shrink below a request its whole budget holds: with nothing
-    else reserved there, it runs (as vLLM runs one sequence its cache holds); so does a flex
-    request above flex's share of an empty endpoint (all of it is spare)."""
+    else reserved there, it runs (as vLLM runs one sequence its cache holds), up to its
+    tier's share of the whole budget (flex: 0.8 x 1000)."""
     m = Model(real_redis, budgeted((1000, None)))
     m.slots.set_endpoints([(A, 8, 0.0, 400, 1000)])  # adapted down from its whole 1000
     assert (await m.acquire(lid("big", 900))).status == GRANTED
     assert (await m.acquire(lid("small", 10))).status == BUSY  # not beside it
     await m.release(lid("big", 900))
-    assert (await m.acquire(lid("flex", 390), Tier.FLEX)).status == GRANTED  # > 0.8 x 400
+    assert (await m.acquire(lid("flex-big", 801), Tier.FLEX)).status == BUSY  # > 0.8 x 1000
+    assert (await m.acquire(lid("flex", 800), Tier.FLEX)).status == GRANTED
+    assert await reserved(m) == {A: 800}
+
+
+@pytest.mark.parametrize(("tier", "share"), [(Tier.FLEX, 0.8), (Tier.DEFAULT, 0.5)])
+async def test_a_lone_request_never_takes_more_than_its_tiers_share(
+    real_redis: aioredis.Redis, tier: Tier, share: float
+) -> None:
+    """docs/api.md: a tier fills at most its max_utilization of a budget, alone on an idle
+    endpoint too (issue 41: one flex request of 2,000 tokens took a whole budget of 2,000;
+    default at 0.5 took 1,900); the most it may reserve is what admission refuses above."""
+    fair = dict.fromkeys(Tier, "accounts")
+    made = ModelSlots("m", {**UTILIZATION, tier: share}, 100, TIMING, fair)
+    made.set_endpoints([(A, 8, 0.0, 2000)])
+    m = Model(real_redis, made)
+    most = int(2000 * share)
+    assert made.largest_budget(tier) == most
+    assert made.largest_budget() == 2000
+    for over in (2000, 1900, most + 1):
+        assert (await m.acquire(lid(f"over-{over}", over), tier)).status == BUSY, over
+    assert await reserved(m) == {}
+    assert (await m.acquire(lid("share", most), tier)).status == GRANTED
+    assert await reserved(m) == {A: most}
 
 
 async def test_a_whole_budget_that_shrinks_holds_a_lone_request_to_it(

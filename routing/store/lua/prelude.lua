@@ -195,11 +195,11 @@ end
 
 -- @fn fits
 -- Whether a lease of `t` tokens fits the endpoint's token budget (nil: it has none) at the
--- share `frac` of it, `tok` reserved there with it: alone on the endpoint (`tok` == `t`) a
--- request fits its whole budget (a budget that adapts may have shrunk below it, and a
--- tier's share leaves an empty endpoint's spare room unused).
+-- share `frac` of it (its tier's), `tok` reserved there with it: alone on the endpoint
+-- (`tok` == `t`) a request fits its share of the whole budget (a budget that adapts may
+-- have shrunk below it); a tier never fills more than its share, flex not even alone.
 local function fits(t, tok, budget, whole, frac)
-  return not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole)
+  return not budget or t == 0 or tok <= budget * frac or (tok == t and t <= whole * frac)
 end
 
 -- @fn take_slot
