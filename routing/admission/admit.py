@@ -352,10 +352,8 @@ class Admission:
 
     def _too_large(self, model: str, tokens: int, tier: Tier) -> TooLarge | None:
         parts = [self.slots[p] for p in self.rotations[model].parts]
-        whole = [s.largest_budget() for s in parts]
-        wholes = [w for w in whole if w]
-        largest = [s.largest_budget(tier) for s in parts]
-        return too_large(model, tokens, largest, tier, max(wholes, default=None))
+        whole = max((w for s in parts if (w := s.largest_budget())), default=None)
+        return too_large(model, tokens, [s.largest_budget(tier) for s in parts], tier, whole)
 
     def _model_turn(self, model: str, turn: int) -> int:
         """A turn in one partition's queue as one in the model's: each partition gets about

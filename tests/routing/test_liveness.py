@@ -5,6 +5,7 @@ replica's sweeps nothing while it waits. Against the run's Redis, by the scripts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import redis.asyncio as aioredis
 from routing.admission.replies import Sweep, sweep_result
 from routing.admission.slots import _MODEL_KEYS, RANK, make_lease_id
 from routing.store.wire import text
-from tests.routing.test_slots import Model, slots
+from tests.routing.test_slots import TIMING, Model, slots
 from tiers.policy import Tier
 
 pytestmark = pytest.mark.usefixtures("script_modes")
@@ -186,8 +187,10 @@ async def test_a_long_queue_is_looked_through_over_several_sweeps(
 ) -> None:
     """A dead replica's 6,000 waiters behind 1,000 of a live one: more than one sweep looks
     through (5,000 entries a call at most, about 2 ms), all leave within two sweeps, and the
-    live replica's stay in order."""
-    m = Model(real_redis, slots(max_queue=10_000))
+    live replica's stay in order. (Waiters live a minute here: queueing 7,000 takes seconds
+    on a busy machine, and a live replica's word that it is alive must outlast it.)"""
+    timing = dataclasses.replace(TIMING, waiter_ttl_ms=60_000)
+    m = Model(real_redis, slots(max_queue=10_000, timing=timing))
     await m.acquire("l1")
     await m.acquire("l2")
     live = [waiter("r2", n) for n in range(1000)]

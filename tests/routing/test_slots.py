@@ -47,9 +47,10 @@ def slots(
     flex: float = 0.8,
     priority: float = 1.0,
     model: str = "m",
+    timing: Timing = TIMING,
 ) -> ModelSlots:
     utilization = {Tier.PRIORITY: priority, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
-    made = ModelSlots(model, utilization, max_queue, TIMING)
+    made = ModelSlots(model, utilization, max_queue, timing)
     made.configured = frozenset(url for url, _ in endpoints)  # all in rotation, as at start
     made.set_endpoints([(url, size, 0.0) for url, size in endpoints])
     return made
