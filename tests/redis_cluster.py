@@ -66,11 +66,11 @@ class RedisCluster:
         self.extra = list(extra)
         self.tls = tls
 
-    def _node(self) -> RedisServer:
+    def _node(self, more: Sequence[str] = ()) -> RedisServer:
         port = cluster_port()
         conf = self.dir / f"nodes-{port}.conf"
         extra = ["--cluster-enabled", "yes", "--cluster-config-file", str(conf),
-                 "--cluster-node-timeout", "5000", *self.extra]  # fmt: skip
+                 "--cluster-node-timeout", "5000", *self.extra, *more]  # fmt: skip
         if self.tls is not None:
             extra += ["--tls-cluster", "yes", "--tls-ca-cert-file", str(self.tls[0])]
         return RedisServer(self.dir, port=port, extra=extra, tls=self.tls)
@@ -170,6 +170,24 @@ class RedisCluster:
                 if start <= slot <= end:
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no node serves slot {slot}")
+
+    def add_replica(self, master: RedisServer, extra: Sequence[str] = ()) -> RedisServer:
+        """A new node, a replica of `master`, in sync with it (polled: replication and
+        gossip run on the nodes' own schedule, no event reaches this process)."""
+        replica = self._node(extra).start()
+        self.nodes.append(replica)  # stopped with the cluster
+        subprocess.run(
+            [_redis_cli(), "--cluster", "add-node", f"127.0.0.1:{replica.port}",
+             f"127.0.0.1:{master.port}", "--cluster-slave", "--cluster-master-id",
+             self.node_id(master)],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        with self.client(replica) as client:
+            while client.execute_command("ROLE")[3:4] != [b"connected"]:
+                assert time.monotonic() < deadline, "the replica did not sync"
+                time.sleep(0.05)
+        return replica
 
     def flush(self) -> None:
         for node in self.nodes:

@@ -189,17 +189,36 @@ class AccountKeeper:
         if (moves := adm.store.moves) is not None and moves != self._moves:
             self._moves = moves
             self.keeps.lost()  # another master: it may lack what the last one had
-        sent = adm.waiting.clock()
-        due, everyone = self.keeps.due(adm.holdings.entries_by_account(), number, sent)
+        sent, holdings = adm.waiting.clock(), adm.holdings
+        entries = holdings.entries_by_account()
+        for key in holdings.recent_accounts(self._horizon_s()) if self.keeps.wants_all() else ():
+            entries.setdefault(key, [])  # (what a lost write brought back goes: `_calls`)
+        due, everyone = self.keeps.due(entries, number, sent)
         keys, kept, whole = [k for k, _, _ in due], [i for _, i, _ in due], [w for _, _, w in due]
-        per = self._per_call()
+        return Batch(keys, kept, whole, everyone, number, sent, self._calls(keys, kept, everyone))
+
+    def _calls(self, keys: list[str], kept: list[list[str]], everyone: bool) -> list[Call]:
+        """The keeps' calls; keeping every account (Redis may have lost writes), each also
+        takes out the entries of this replica's ids that it no longer holds."""
+        adm, per = self.admission, self._per_call()
+        issued, spare = adm.holdings.issued, adm.holdings.spare_of_accounts() if everyone else {}
+        head: list[Any] = [adm.timing.lease_ttl_ms + self.keeps.lag_ms]
+        head += [adm.replica_id, issued] if everyone else ["", ""]
         calls: list[Call] = []
         for at in range(0, len(keys), per):
-            args: list[Any] = [adm.timing.lease_ttl_ms + self.keeps.lag_ms]
-            for ids in kept[at : at + per]:
+            args = list(head)
+            for key, ids in zip(keys[at : at + per], kept[at : at + per], strict=True):
                 args += (len(ids), *ids)
+                if everyone:
+                    args += (len(spare.get(key, [])), *spare.get(key, []))
             calls.append(("account_keep", keys[at : at + per], args))
-        return Batch(keys, kept, whole, everyone, number, sent, calls)
+        return calls
+
+    def _horizon_s(self) -> float:
+        """How long an entry a failover brought back may live: the TTL a keep gives it, an
+        interval and a command's timeout."""
+        t = self.admission.timing
+        return (t.lease_ttl_ms + self.keeps.lag_ms + t.command_timeout_ms) / 1000 + 2
 
     def answered(self, batch: Batch, replies: Sequence[Any]) -> None:
         """The batch's replies, one per call: entries written back are given back where this

@@ -186,8 +186,7 @@ class Admission:
     def _walked(self, walk: Walk, admitted: bool) -> None:
         """The walk ended: what it took and does not keep goes back (the account's entry
         when not admitted, its rate charge then too)."""
-        self.holdings.waiters.pop(walk.lease_id, None)
-        if self.holdings.walking.pop(walk.lease_id, None) is not None:  # not admitted
+        if self.holdings.end(walk.lease_id) is not None:  # not admitted
             self.handback.give_back(walk.lease_id, None, walk.akey)
         if not admitted and walk.charge is not None:  # nor charged, then
             self.rates.give_back(walk.charge)
@@ -198,9 +197,10 @@ class Admission:
     ) -> Walk:  # fmt: skip
         """A new walk, its lease id carrying its account, weight and reservation."""
         reserved = self.reservation(candidates, tokens)
-        prefix = f"{self.replica_id}-{next(self._ids)}"
-        lease_id = make_lease_id(prefix, weight, account, reserved)
-        return Walk(lease_id, account, account_key(account), limit, cache_key, reserved)
+        number, akey = next(self._ids), account_key(account)
+        lease_id = make_lease_id(f"{self.replica_id}-{number}", weight, account, reserved)
+        self.holdings.begin(number, lease_id, akey)
+        return Walk(lease_id, account, akey, limit, cache_key, reserved)
 
     async def _admit(self, walk: Walk, candidates: Sequence[Candidate]) -> Admitted:
         """The walk; Redis away, the outage's answer, unless the caller's deadline passed

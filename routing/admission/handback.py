@@ -70,7 +70,7 @@ class Handback:
         release Redis did not answer is retried by the sweeps. `also`: more calls in the
         same batch whose failures are only reported (a rate limit's true-up, a preempted
         lease's mark)."""
-        self.holdings.held.pop(lease.id, None)
+        self.holdings.released(lease)
         self._retry.held(lease.model, time.monotonic() - lease.since)
         if usage is not None:
             # Every value encodable whatever the caller sent, so the record can never stop

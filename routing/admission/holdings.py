@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # An in-doubt id is forgotten by this many successful sweeps after it was recorded: a call
@@ -85,6 +86,57 @@ class Holdings:
     # Redis may have run them (a lease of this replica's, not held here yet).
     acquiring: dict[str, str] = field(default_factory=dict)
     orphans: dict[str, Orphan] = field(default_factory=dict)
+    # Walks from their start to their end: id -> account key; and the number of the last
+    # begun (ids are "<replica>-<n>~..."): what Redis holds of a lower number that is not
+    # held here nor under way is no one's (a failover lost its release: `purging`).
+    walks: dict[str, str] = field(default_factory=dict)
+    issued: int = -1
+    # Accounts this replica took or gave back an entry of lately: key -> when (monotonic).
+    # Entries a failover brought back live a TTL after their last keep, though no request
+    # of the account is left here to keep them (`recent_accounts`).
+    seen: dict[str, float] = field(default_factory=dict)
+
+    def begin(self, number: int, lease_id: str, account: str) -> None:
+        """A walk begins (its id's number, its id, its account's key)."""
+        self.walks[lease_id] = account
+        self.issued = max(self.issued, number)
+        self.seen[account] = time.monotonic()
+
+    def end(self, lease_id: str) -> str | None:
+        """A walk ends: the account key of its entry if it still holds one (not admitted)."""
+        self.waiters.pop(lease_id, None)
+        self.walks.pop(lease_id, None)
+        return self.walking.pop(lease_id, None)
+
+    def released(self, lease: Lease) -> None:
+        self.held.pop(lease.id, None)
+        self.seen[lease.account] = time.monotonic()
+
+    def recent_accounts(self, horizon_s: float) -> list[str]:
+        """Accounts seen within `horizon_s` (older ones forgotten)."""
+        now = time.monotonic()
+        self.seen = {k: t for k, t in self.seen.items() if now - t <= horizon_s}
+        return list(self.seen)
+
+    def purging(self, named: Iterable[str]) -> tuple[int, list[str]]:
+        """What a sweep that names every waiter (`named`) and lease needs to take out of
+        Redis what this replica no longer holds: the number its ids reached, and the walks
+        under way it does not name (they may hold a lease or a place not known here yet)."""
+        skip = set(named)
+        return self.issued, [i for i in self.walks if i not in skip]
+
+    def spare_of_accounts(self) -> dict[str, list[str]]:
+        """Per account key, the ids of walks under way that `entries_by_account` does not
+        name (an entry they took may not be known here yet)."""
+        named = {i for ids in self.entries_by_account().values() for i in ids}
+        found: dict[str, list[str]] = defaultdict(list)
+        for lease_id, account in self.walks.items():
+            if lease_id not in named:
+                found[account].append(lease_id)
+        for lease in self.held.values():
+            if lease.id not in named:
+                found[lease.account].append(lease.id)
+        return found
 
     def is_live(self, lease_id: str) -> bool:
         """Whether this replica still holds `lease_id` (a request admitted or under way)."""

@@ -71,8 +71,12 @@ class _Round:
     mark: str = ""
     # The partitions whose sweep found Redis did not know this replica alive there.
     unknown: list[str] = field(default_factory=list)
-    # The round named every waiter (else only those new since the last round, if any).
+    # Those of them whose sweep found Redis had lost writes since its last one.
+    lost: list[str] = field(default_factory=list)
+    # The round named every waiter (else only those new since the last round, if any), and
+    # took out of Redis what this replica does not hold (`purge`: the store moved).
     every: bool = False
+    purge: bool = False
 
 
 @dataclass
@@ -153,7 +157,7 @@ class Keeper:
         if work.unknown:
             # Before any error of the round is raised: the sweeps that said so wrote this
             # replica alive, so no later round would be told again to name these waiters.
-            await self._name_now(work.unknown)
+            await self._name_now(work.unknown, work.lost)
         if error is not None:
             raise error
         if self._accounts is not None and self._accounts.keeps.wants_all():
@@ -178,7 +182,8 @@ class Keeper:
         indexes = {m: call for m in models if (call := adm.slots[m].index()) is not None}
         moves = adm.store.moves or 0
         every, waiters = self.naming.choose(self._rounds, holdings.waiters_by_model(), moves)
-        calls = [*indexes.values(), *self._sweeps(models, waiters)]
+        purge = every and self.naming.purge
+        calls = [*indexes.values(), *self._sweeps(models, waiters, purge)]
         holdings.prune(2 * adm.timing.lease_ttl_ms / 1000)
         if self._accounts is None:
             self._accounts = AccountKeeper(adm, self.interval_s)
@@ -207,38 +212,41 @@ class Keeper:
             accounts,
             mark,
             every=every,
+            purge=purge,
         )
 
     def _sweeps(
-        self, models: Sequence[str], waiters: dict[str, list[tuple[str, int]]]
+        self, models: Sequence[str], waiters: dict[str, list[tuple[str, int]]], purge: bool
     ) -> list[Call]:
         """Each model's sweep: what this replica holds there, and the ids that may hold a
-        lease not held here yet (counted as its own if they do: the local outage shares)."""
+        lease not held here yet (counted as its own if they do: the local outage shares).
+        `purge` (every waiter named): what else of its ids Redis holds goes."""
         holdings, slots = self.admission.holdings, self.admission.slots
         leases, pending = holdings.leases_by_model(), holdings.pending_by_model()
         replica, alive = self.admission.replica_id, self.naming.alive
+        named = (w for ws in waiters.values() for w, _ in ws)
+        ours = holdings.purging(named) if purge else None
         return [
             slots[m].sweep(
-                leases.get(m, []), waiters.get(m, []), pending.get(m, []), replica, alive(m)
+                leases.get(m, []), waiters.get(m, []), pending.get(m, []), replica, alive(m), ours
             )
             for m in models
         ]
 
-    async def _name_now(self, parts: Sequence[str]) -> None:
+    async def _name_now(self, parts: Sequence[str], lost: Sequence[str] = ()) -> None:
         """Redis did not know this replica alive in these partitions (it lost them, or
-        their waiters left while the replica was away): its waiters there named now, not
-        at a later round (grants pause meanwhile where Redis lost the model: the rebuild
-        window)."""
+        their waiters left while the replica was away, or a failover lost writes): its
+        waiters there named now, not at a later round (grants pause meanwhile where Redis
+        lost the model: the rebuild window), and what it no longer holds taken out."""
         waiters = self.admission.holdings.waiters_by_model()
-        named = [p for p in parts if waiters.get(p)]
-        if not named:
+        if not (named := [p for p in parts if waiters.get(p) or p in lost]):
             return
         sent = self.admission.waiting.clock()
-        calls = self._sweeps(named, waiters)
+        calls = self._sweeps(named, waiters, purge=True)
         replies = await self.admission.scripts.send(self.admission.store, calls)
         for part, reply in zip(named, replies, strict=True):
             if not isinstance(reply, Exception):
-                ids = [waiter_id for waiter_id, _ in waiters[part]]
+                ids = [waiter_id for waiter_id, _ in waiters.get(part, [])]
                 self._swept(part, sent, ids, sweep_result(reply))
         if (error := first_error(replies)) is not None:
             raise error
@@ -255,8 +263,10 @@ class Keeper:
                 continue
             found_parts[part] = found = sweep_result(reply)
             self._swept(part, work.sent, work.waiters.get(part, []), found)
-            if found.name and not work.every:  # (those new alone were named)
-                work.unknown.append(part)
+            if found.lost and not work.purge:
+                work.lost.append(part)  # (none of what it lost taken out yet)
+            if (found.name and not work.every) or (found.lost and not work.purge):
+                work.unknown.append(part)  # (those new alone were named)
         self._saw_models(found_parts, now)
         at = len(work.models)
         calls = len(work.accounts.calls) if work.accounts is not None else 0
@@ -286,6 +296,9 @@ class Keeper:
         self.naming.swept(part, found.clock_ms)
         self.admission.handback.recheck(found.restored, part)
         self._waiters(part, sent, named, found)
+        if found.purged:
+            log.warning("redis lost writes: %d leases and waiters no request holds taken out"
+                        " of %s", found.purged, part)  # fmt: skip
 
     def _beat(self, mark: str, reply: Any) -> None:
         """The heartbeat's answer: whether Redis lost writes (the accounts' keeps), and the

@@ -36,6 +36,9 @@ class Naming:
         self._moves = 0  # the store's moves answered
         self._named: set[tuple[str, int]] = set()  # (waiter, place) a sweep sent named
         self._alive: dict[str, int] = {}  # partition -> the `alive` score its last sweep wrote
+        # The last round chosen names every waiter because the store moved to another
+        # master (which may have lost writes): its sweeps take out what no one holds.
+        self.purge = False
 
     def choose(
         self, round_: int, waiters: Waiters, moves: int
@@ -56,6 +59,7 @@ class Naming:
             # One round more: a grant published before the subscription was made in Redis
             # may come after the round's sweep ran.
             self._next = max(self._next, 2)
+        self.purge = moves != self._moves
         if moves != self._moves:
             self.wakeups.moved()
             self._alive.clear()  # another master: its scores are not the last one's

@@ -63,6 +63,12 @@ class Sweep:
     name: bool = False
     # Redis's clock when the sweep ran, in ms (0: not said): how old a wake-up is.
     clock_ms: int = 0
+    # Leases and waiters of this replica's ids it no longer holds, taken out (prelude.lua
+    # `purge`: a sweep after Redis lost writes).
+    purged: int = 0
+    # Not by its last sweep's word: Redis lost writes since (a failover to a replica that
+    # lagged), and what they took back may be there again (`purged` by the next sweep).
+    lost: bool = False
 
 
 def attempt(reply: Any) -> Attempt:
@@ -88,5 +94,8 @@ def sweep_result(reply: Sequence[Any]) -> Sweep:
         [text(x) for x in reply[2]],
         int(reply[3]),
         [text(x) for x in reply[4]],
-        *((int(reply[5][0]) == 1, int(reply[5][1])) if len(reply) > 5 else ()),
+        name=len(reply) > 5 and int(reply[5][0]) > 0,
+        clock_ms=int(reply[5][1]) if len(reply) > 5 else 0,
+        purged=int(reply[6]) if len(reply) > 6 else 0,
+        lost=len(reply) > 5 and int(reply[5][0]) == 2,
     )

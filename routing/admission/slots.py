@@ -295,6 +295,7 @@ class ModelSlots:
         pending: Sequence[str] = (),
         replica: str = "",
         alive: int | None = None,
+        purge: tuple[int, Sequence[str]] | None = None,
     ) -> Call:
         """This replica's sweep of the model: `leases` it holds (id, endpoint), `waiters`
         it has queued (id, place) when it names them (not at every sweep: `Sweep.name`),
@@ -302,7 +303,10 @@ class ModelSlots:
         they do: `Sweep.mine`). `replica`: its id, kept alive in the model (its waiters stay
         queued while it is: prelude.lua `bury`); '' for none (every waiter named).
         `alive`: the score its last sweep answered wrote there (`Sweep.alive`), if known:
-        any other found says Redis lost writes since, and its waiters are named at once."""
+        any other found says Redis lost writes since, and its waiters are named at once.
+        `purge` (with every waiter named, after Redis lost writes): the number this
+        replica's ids have reached and the ids of its walks under way; whatever else of its
+        ids up to that number Redis holds goes (prelude.lua `purge`)."""
         t = self._timing
         last = "" if alive is None else alive
         args: list[Any] = [t.lease_ttl_ms, last, self._pump_spec, len(leases)]
@@ -317,6 +321,8 @@ class ModelSlots:
         args += (len(pending), *pending)
         if replica:
             args += (replica, t.waiter_ttl_ms)
+            if purge is not None:
+                args += (purge[0], len(purge[1]), *purge[1])
         return ("sweep", self._key, args)
 
     def _recheck(self) -> list[str]:

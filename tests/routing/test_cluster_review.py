@@ -168,22 +168,7 @@ async def test_a_stalled_master_delays_only_its_own_calls(redis_cluster: RedisCl
 
 
 def _add_replica(cluster: RedisCluster, master: RedisServer) -> RedisServer:
-    """A new node, a replica of `master`, in sync with it (polled: replication and gossip
-    run on the nodes' own schedule, no event reaches this process)."""
-    replica = cluster._node().start()
-    cluster.nodes.append(replica)  # stopped with the cluster
-    subprocess.run(
-        [shutil.which("redis-cli") or "redis-cli", "--cluster", "add-node",
-         f"127.0.0.1:{replica.port}", f"127.0.0.1:{master.port}", "--cluster-slave",
-         "--cluster-master-id", cluster.node_id(master)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    deadline = time.monotonic() + 20
-    with cluster.client(replica) as client:
-        while client.execute_command("ROLE")[3:4] != [b"connected"]:
-            assert time.monotonic() < deadline, "the replica did not sync"
-            time.sleep(0.05)
-    return replica
+    return cluster.add_replica(master)
 
 
 def _wait_owner(

@@ -230,3 +230,29 @@ async def test_a_sweep_naming_no_waiter_costs_nothing_per_waiter(
         return sum(int(v.get("calls", 0)) for v in stats[i].values() if isinstance(v, dict))
 
     assert calls(1) - calls(0) < 60
+
+
+async def test_after_lost_writes_a_sweep_takes_out_what_its_replica_no_longer_holds(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A failover that lost writes brings back a lease r1 had released and a waiter it had
+    taken back: r1's sweep naming all it holds (`purge`: the number its ids reached, its
+    walks under way) takes both out and hands the slot on, within the same call. What it
+    holds stays; so do another replica's ids, one issued after the sweep left, and a walk
+    under way."""
+    m = Model(real_redis, slots(max_queue=100))
+    held, ghost = waiter("r1", 1), waiter("r1", 2)
+    on = {i: (await m.acquire(i)).endpoint for i in (held, ghost)}
+    gone, named, other, later, walking = (
+        waiter("r1", 3), waiter("r1", 4), waiter("r2", 0), waiter("r1", 9), waiter("r1", 5),
+    )  # fmt: skip
+    places = await queue_up(m, [gone, named, other, walking, later])
+    reply = await m.run(
+        m.slots.sweep([(held, on[held])], [(named, places[named])], [], "r1", None, (8, [walking]))
+    )
+    found = sweep_result(reply)
+    assert found.purged == 2
+    assert await m.leases() == {held, named}  # the freed slot went to the head: r1-4
+    assert await m.queue() == [other, walking, later]
+    assert (await m.state())[:3] == [2, 0, 3]
+    await m.release(held, named, other, walking, later)

@@ -692,13 +692,40 @@ async def test_account_keep_writes_back_lost_entries(real_redis: aioredis.Redis)
     key = account_key("t-keep")
     await scripts.call(store, ("account", [key], ["a1", 5, TTL_MS]))
     await real_redis.delete(key)
-    restored = await scripts.call(store, ("account_keep", [key], [TTL_MS, 2, "a1", "a2"]))
+    restored = await scripts.call(store, ("account_keep", [key], [TTL_MS, "", "", 2, "a1", "a2"]))
     assert [[text(r) for r in each] for each in restored] == [["a1", "a2"]]
-    again = await scripts.call(store, ("account_keep", [key], [TTL_MS, 1, "a1"]))
+    again = await scripts.call(store, ("account_keep", [key], [TTL_MS, "", "", 1, "a1"]))
     assert again == [[]]
     assert await real_redis.zcard(key) == 2
     assert 0 < await real_redis.pttl(key) <= TTL_MS
     await real_redis.delete(key)
+
+
+async def test_a_keep_after_lost_writes_takes_out_the_entries_no_request_holds(
+    real_redis: aioredis.Redis,
+) -> None:
+    """A failover that lost writes brought back entries this replica had given back: its
+    keep of all it holds (its id, the number its ids reached) takes out every other entry of
+    its ids up to that number, but those of walks under way, of ids issued later, and of
+    other replicas (one whose id starts with its own too)."""
+    scripts, store = Scripts(), RedisPyStore(real_redis, 2.0)
+    keys = [account_key("t-purge-1"), account_key("t-purge-2")]
+    far = 1e15
+    await real_redis.zadd(
+        keys[0],
+        {
+            i: far
+            for i in ("r1-1~1~a", "r1-2~1~a", "r1-3~1~a", "r1-9~1~a", "r1-2-1~1~a", "r2-1~1~a")
+        },
+    )
+    await real_redis.zadd(keys[1], {"r1-4~1~b": far})  # (an account it holds nothing in now)
+    args = [TTL_MS, "r1", 5, 1, "r1-1~1~a", 1, "r1-3~1~a", 0, 0]
+    reply = await scripts.call(store, ("account_keep", keys, args))
+    assert reply == [[], []]
+    left = {text(i) for i in await real_redis.zrange(keys[0], 0, -1)}
+    assert left == {"r1-1~1~a", "r1-3~1~a", "r1-9~1~a", "r1-2-1~1~a", "r2-1~1~a"}
+    assert await real_redis.exists(keys[1]) == 0
+    await real_redis.delete(*keys)
 
 
 async def test_one_account_keep_call_keeps_several_accounts(real_redis: aioredis.Redis) -> None:
@@ -706,7 +733,7 @@ async def test_one_account_keep_call_keeps_several_accounts(real_redis: aioredis
     scripts, store = Scripts(), RedisPyStore(real_redis, 2.0)
     keys = [account_key(f"t-keep-{i}") for i in range(3)]
     await real_redis.zadd(keys[1], {"b1": 1e15})
-    args = [TTL_MS, 2, "a1", "a2", 1, "b1", 0, 1, "c1"]
+    args = [TTL_MS, "", "", 2, "a1", "a2", 1, "b1", 0, 1, "c1"]
     reply = await scripts.call(
         store, ("account_keep", [*keys[:2], account_key("t-none"), keys[2]], args)
     )

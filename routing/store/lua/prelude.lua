@@ -702,18 +702,59 @@ end
 
 -- Reclaim leases whose holder stopped refreshing them (their replica died): one call when
 -- there are none.
+-- A member of `leases` forgotten: its slot (and tokens) back, its account's count follows.
+local function forget_lease(m)
+  local id, ep = split(m)
+  redis.call('ZREM', LEASES, m)
+  if ep then give_slot(id, ep) end
+  redis.call('HDEL', EP_OF, id)
+  count(id, -1)
+end
+
 local function reclaim(now)
   local gone = redis.call('ZRANGEBYSCORE', LEASES, '-inf', now)
   if #gone == 0 then return end
   leases_n = nil
-  for _, m in ipairs(gone) do
-    local id, ep = split(m)
-    redis.call('ZREM', LEASES, m)
-    if ep then give_slot(id, ep) end
-    redis.call('HDEL', EP_OF, id)
-    count(id, -1)
-  end
+  for _, m in ipairs(gone) do forget_lease(m) end
   redis.call('HINCRBY', EP_LOAD, '~f', 2 * #gone)
+end
+
+-- The number of an id of replica `prefix` ("<replica>-"): "<replica>-<n>~..." gives n; nil
+-- for another replica's (one whose id starts with this one's: "r1-2-5~" is not r1's).
+local function number_of(id, prefix)
+  if string.sub(id, 1, #prefix) ~= prefix then return nil end
+  return tonumber(string.match(id, '^(%d+)~', #prefix + 1))
+end
+
+-- What Redis holds of replica `me` that it no longer does: after a failover that lost writes
+-- the new master still has the grants, waiters and leases the lost window had taken back
+-- (a release, a grant, a give-back), and grants them again to no one. The replica's sweep
+-- that names all it holds (`kept`: members of its leases; `spare`: ids it holds or may
+-- hold in any form, its waiters and its walks under way) says what is really there: every
+-- other lease or waiter of its ids numbered up to `upto` (issued before the sweep left: a
+-- later one may land first on another connection) goes. O(leases + queue): only after
+-- Redis lost writes (routing/admission/keeper.py). Returns how many went.
+local function purge(me, upto, kept, spare)
+  local prefix, n = me .. '-', 0
+  local function ghost(id)
+    local k = number_of(id, prefix)
+    return k ~= nil and k <= upto and not spare[id]
+  end
+  for _, m in ipairs(redis.call('ZRANGE', LEASES, '0', '-1')) do
+    if not kept[m] and ghost((split(m))) then
+      forget_lease(m)
+      n = n + 1
+    end
+  end
+  leases_n = nil
+  local queued = redis.call('ZRANGE', QUEUE, '0', '-1', 'WITHSCORES')
+  for i = 1, #queued, 2 do
+    if ghost(queued[i]) then
+      unqueue(queued[i], queued[i + 1])
+      n = n + 1
+    end
+  end
+  return n
 end
 
 -- The most entries of the queue one call looks through for dead replicas' waiters (`bury`):

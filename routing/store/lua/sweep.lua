@@ -17,18 +17,20 @@
 --       then p and p ids that may hold a lease this replica does not hold yet (its acquires
 --       not answered yet, its waiters woken), then this replica's id and how long its
 --       waiters stay queued without its next sweep (the waiter TTL; both absent from a
---       replica of an older release, whose sweeps name every waiter).
+--       replica of an older release, whose sweeps name every waiter), then, when this
+--       sweep names every waiter after Redis lost writes, the number this replica's ids
+--       have reached and s and s ids of its walks under way (prelude `purge`).
 -- Returns {{inflight, queued per tier (best first), freed so far, the endpoint index's
 --          version or ''}, written-back lease ids, one entry per waiter: its granted
 --          endpoint or '', the leases of this replica among inflight (its leases, kept or
 --          written back, its waiters' grants and the pending ids' leases: read in the same
 --          instant as inflight, for the local outage shares), the waiters queued again at
 --          their place as lost (neither queued nor granted: a grant they had is gone),
---          {1 if this replica's waiters are to be named now (Redis did not know it alive, or
+--          {1 (2: Redis lost writes since its last sweep) if this replica's waiters are to be named now (Redis did not know it alive, or
 --          not by its last sweep's word: it restarted empty, failed over and lost writes, or
 --          the replica was away past the waiter TTL and its waiters left the queue), Redis's
 --          clock in ms (for the wake-ups' times; its `alive` score is that + the waiter
---          TTL)}}.
+--          TTL)}, how many leases and waiters `purge` took out}.
 -- Its cost grows with what this replica holds (its waiters only when it names them) and
 -- with the endpoints only while nothing is held at all (the loads' mend, below), never with
 -- the queue of other replicas but once for each replica that died (prelude `bury`, at most
@@ -197,6 +199,17 @@ for j, id in ipairs(ids) do
   end
 end
 set_scores(QEXP, keep)
+-- After Redis lost writes (the caller names all it holds, and the number its ids have
+-- reached): what it does not hold goes (prelude `purge`), before the pump hands slots on.
+local purged, tail_at = 0, pending + (tonumber(ARGV[pending]) or 0) + 3
+local upto = tonumber(ARGV[tail_at])
+if me and upto then
+  local kept, spare = {}, {}
+  for _, m in ipairs(members) do kept[m] = true end
+  for _, id in ipairs(ids) do spare[id] = true end
+  for i = tail_at + 2, tail_at + 1 + tonumber(ARGV[tail_at + 1]) do spare[ARGV[i]] = true end
+  purged = purge(me, upto, kept, spare)
+end
 if #restored + #requeued > 0 and not rebuilding() then
   open_window(ARGV[tail])
 end
@@ -278,8 +291,10 @@ if me then
     redis.call('PEXPIRE', ALIVE, 10 * wttl)
   end
   local last = tonumber(ARGV[2])
-  if not was or tonumber(was) < now or fresh or (last and tonumber(was) ~= last) then
+  if last and was and tonumber(was) ~= last and not fresh then
+    name = 2  -- (writes since that sweep were lost: what they took back may be here again)
+  elseif not was or tonumber(was) < now or fresh then
     name = 1
   end
 end
-return {state, restored, granted, mine, requeued, {name, now}}
+return {state, restored, granted, mine, requeued, {name, now}, purged}
