@@ -5,7 +5,7 @@ HTTP through gateway replicas and simulated workers, with an empty queue ("http"
 10,000 requests waiting ("queue": bench/fleet_queue.py, everything Redis does for a request
 counted, the replicas' sweeps too); and one model's partitions on a 3-master Redis Cluster.
 
-Run: .venv/bin/python bench/fleet.py [--only admission|http|queue|cluster] [--quick]
+Run: .venv/bin/python bench/fleet.py [--only admission|http|queue|cluster|low] [--quick]
 [--out FILE]
 (part of `make bench`). Results: bench/results/fleet-<date>.json; figures in bench/README.md.
 
@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "bench"))
 
 import fleet_http  # noqa: E402
+import fleet_low  # noqa: E402
 import fleet_queue  # noqa: E402
 import harness  # noqa: E402
 from rediskit import measured  # noqa: E402
@@ -273,7 +274,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=4000, help="per HTTP configuration")
     parser.add_argument("--quick", action="store_true", help="a short run; no results file")
-    parser.add_argument("--only", choices=["admission", "http", "queue", "cluster"], default=None)
+    parts = ["admission", "http", "queue", "cluster", "low"]
+    parser.add_argument("--only", choices=parts, default=None)
     parser.add_argument("--queued", type=int, default=6000, help="per HTTP queue configuration")
     parser.add_argument("--queue-rounds", type=int, default=1, help="about 15 minutes each")
     parser.add_argument("--redis", default=None)
@@ -292,6 +294,11 @@ def main() -> None:
             rows = fleet_http.single(Path(tmp), url, requests, rounds)
             result["http"] = {"rows": rows, **http_summary(rows)}
             print(json.dumps(result["http"]["ratio_to_n1"], indent=1))
+        if args.only in (None, "low"):
+            rows = fleet_low.run(Path(tmp), url, rounds, 300 if args.quick else fleet_low.REQUESTS,
+                                 5.0 if args.quick else fleet_low.IDLE_S)  # fmt: skip
+            result["low"] = {"rows": rows, **fleet_low.summary(rows)}
+            print(json.dumps(result["low"]["ratio_to_n1"], indent=1))
         if args.only in (None, "queue"):
             queued = 3000 if args.quick else args.queued
             rows = fleet_queue.run(Path(tmp), url, queued, args.queue_rounds)

@@ -76,9 +76,11 @@ def config(
     partitions: int = 1,
     budget: int | None = None,
     accounts: int = 0,
+    health_s: float | None = 300,
 ) -> str:
     """`budget`: each endpoint's token budget (`max_tokens_in_flight`), none by default;
-    `accounts`: as many more keys (`account_key`), each its own account."""
+    `accounts`: as many more keys (`account_key`), each its own account; `health_s`: the
+    probes' interval (None: the default)."""
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     keys = "".join(
         f'  - {{sha256: "{hashlib.sha256(account_key(i).encode()).hexdigest()}", '
@@ -93,7 +95,7 @@ def config(
     )
     return f"""
 redis: {{url: "{redis_url}", lease_ttl_s: 30}}
-health: {{interval_s: 300}}
+{"" if health_s is None else f"health: {{interval_s: {health_s}}}"}
 keys:
   - {{sha256: "{digest}", account: bench, max_concurrency: 100000}}
 {keys}tiers: {{default: {{queue_timeout_s: 300}}}}
@@ -154,13 +156,14 @@ class Fleet:
         budget: int | None = None,
         accounts: int = 0,
         ttft_ms: int = 0,
+        health_s: float | None = 300,
     ) -> None:
         self.n, self.size = n, size
         self.base = contiguous_ports(n)
         args = ["sim", "--port", str(self.base), "--endpoints", str(n), "--models", "m",
                 "--max-seqs", str(size), *SIM, "--ttft-ms", str(ttft_ms)]  # fmt: skip
         self.sim = Proc(args, self.base, "/health", tmp / f"sim-{self.base}.log").start()
-        text = config(redis_url, self.base, n, size, partitions, budget, accounts)
+        text = config(redis_url, self.base, n, size, partitions, budget, accounts, health_s)
         self.gateways: list[Proc] = []
         try:
             for _ in range(REPLICAS):

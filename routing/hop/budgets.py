@@ -155,6 +155,11 @@ class TokenBudgets:
         worker = self.workers.get(url)
         return (worker.adaptive, worker.auto) if worker is not None else (False, False)
 
+    def unread(self, url: str) -> bool:
+        """Whether the endpoint has an `auto` budget whose KV cache was never read."""
+        worker = self.workers.get(url)
+        return worker is not None and worker.auto and worker.kv_tokens is None
+
     def budget(self, model: str, url: str) -> int | None:
         """`model`'s effective budget on the endpoint; None: none (or `auto`, not read yet)."""
         worker = self.workers.get(url)

@@ -38,6 +38,14 @@ from routing.registry import Model
 
 log = logging.getLogger("gateway.health")
 
+# The most endpoints a replica probes a second, on average: a round probes at most this
+# many times `interval_s` (50 at the default 5 s). Past that many endpoints, a round
+# probes those out of rotation (or failing, or whose budget was never read) and the next
+# ones in turn of the rest, so each endpoint in rotation is probed every len / PROBES_PER_S
+# seconds (100 s at 1,000) and a replica's probing costs the same whatever the fleet's size.
+# Real traffic is the signal between: a request that cannot connect ejects its endpoint at
+# once, 5xx in a row do (`answered`), and an answer counts as a good probe.
+PROBES_PER_S = 10
 # The most of a worker's answer a probe reads (a vLLM's /metrics is some 100 KB; one with
 # many LoRA adapters a few MB): past it, the answer is not read further.
 MAX_BODY_BYTES = 8 << 20
@@ -90,6 +98,7 @@ class Health:
         self.budgets = TokenBudgets(models, clock)
         # While a probe round's results are applied: the endpoints changed, told after.
         self._round: set[str] | None = None
+        self._turn = 0  # where the next round's probes of the rest begin (`_due`)
         for model in models:
             for e in model.config.endpoints:
                 known = self.endpoints.get(e.base_url)
@@ -151,7 +160,7 @@ class Health:
         if health is None:
             return
         if status < 500:
-            health.errors_5xx = 0
+            health.errors_5xx = health.failed_probes = 0  # (as good as a probe)
             return
         health.errors_5xx += 1
         if health.errors_5xx >= self.settings.passive_5xx:
@@ -238,7 +247,7 @@ class Health:
         one `on_change` (one write to admission per round, of what changed), even when one
         probe fails unexpectedly; that failure is raised once all are done (for the loop
         to count)."""
-        healths = list(self.endpoints.values())
+        healths = self._due()
         results = await asyncio.gather(*map(self._probe, healths), return_exceptions=True)
         failure: BaseException | None = None
         changed: set[str] = set()
@@ -257,6 +266,29 @@ class Health:
                 self._on_change(changed)
         if failure is not None:
             raise failure
+
+    def _due(self) -> list[EndpointHealth]:
+        """The endpoints this round probes: all of them up to the round's budget
+        (PROBES_PER_S); past it, those out of rotation, failing or never read, and the next
+        ones in turn of the rest (in the endpoints' order, from where the last round ended)."""
+        healths = list(self.endpoints.values())
+        budget = max(1, int(PROBES_PER_S * self.settings.interval_s))
+        if len(healths) <= budget:
+            return healths
+
+        def first(h: EndpointHealth) -> bool:
+            return not h.up or h.failed_probes > 0 or self.budgets.unread(h.url)
+
+        due = [h for h in healths if first(h)]
+        start, n = self._turn % len(healths), len(healths)
+        for step in range(n):
+            if len(due) >= budget:
+                break
+            h = healths[(start + step) % n]
+            if not first(h):
+                due.append(h)
+            self._turn = start + step + 1
+        return due
 
     async def _probe(self, health: EndpointHealth) -> tuple[bool, Reading | None]:
         """GET /health, then /metrics where something is read from it: both within

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from gateway.runtime.settings import parse_config
 from routing.background import BackgroundErrors
 from routing.hop import scrape
-from routing.hop.health import EndpointHealth, Health, HealthSettings
+from routing.hop.health import PROBES_PER_S, EndpointHealth, Health, HealthSettings
 from routing.hop.scrape import Reading, gauge
 from routing.registry import Registry
 
@@ -247,6 +247,35 @@ async def test_a_rounds_changes_are_told_in_one_call() -> None:
     assert health.penalty(W2) == 2.0
     await health.probe_all()
     assert changes == [{W1, W2}]  # nothing changed: nothing told
+
+
+async def test_a_large_fleet_is_probed_in_turn_within_a_rounds_budget() -> None:
+    """120 endpoints, a round of 50 probes (PROBES_PER_S at the default interval): those out
+    of rotation every round, the rest in turn, each within three rounds; a good answer to a
+    real request counts as a good probe."""
+    urls = [f"http://w{i}:8000" for i in range(120)]
+    endpoints = "".join(f'      - {{url: "{u}", max_concurrency: 1}}\n' for u in urls)
+    config = parse_config(f"models:\n  a:\n    endpoints:\n{endpoints}", "t.yaml")
+    health = Health(Registry(config.models), HealthSettings(unhealthy_after=1), lambda _: None)
+    budget = PROBES_PER_S * health.settings.interval_s
+    assert budget == 50
+    rounds: list[list[str]] = []
+
+    async def probe(h: EndpointHealth) -> tuple[bool, Reading | None]:
+        rounds[-1].append(h.url)
+        return h.url != urls[7], None
+
+    health._probe = probe  # type: ignore[method-assign]
+    for _ in range(4):
+        rounds.append([])
+        await health.probe_all()
+    assert all(len(r) == budget for r in rounds)
+    assert not health.is_up(urls[7])
+    assert all(urls[7] in r for r in rounds[1:])  # out of rotation: every round
+    assert set(rounds[0]) | set(rounds[1]) | set(rounds[2]) == set(urls)  # all in 3 rounds
+    health.endpoints[urls[9]].failed_probes = 1  # (a failed probe, not out yet)
+    health.answered(urls[9], 200)
+    assert health.endpoints[urls[9]].failed_probes == 0
 
 
 @pytest.fixture
