@@ -80,6 +80,8 @@ class EndpointHealth:
 
 
 class Health:
+    _turn = 0  # where the next round's probes of the rest begin (`_due`)
+
     def __init__(
         self,
         models: Iterable[Model],
@@ -98,7 +100,6 @@ class Health:
         self.budgets = TokenBudgets(models, clock)
         # While a probe round's results are applied: the endpoints changed, told after.
         self._round: set[str] | None = None
-        self._turn = 0  # where the next round's probes of the rest begin (`_due`)
         for model in models:
             for e in model.config.endpoints:
                 known = self.endpoints.get(e.base_url)

@@ -251,7 +251,8 @@ def worker_load(worker: procs.Proc) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in httpx.get(worker.url + "/metrics").text.splitlines():
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "sim:peak_requests_running", "sim:peak_requests_waiting"):  # fmt: skip
+                     "sim:peak_requests_running", "sim:peak_requests_waiting",
+                     "sim:peak_tokens_running"):  # fmt: skip
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values

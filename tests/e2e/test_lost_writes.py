@@ -51,6 +51,10 @@ KEYS = {"sk-lost-main": "main", "sk-lost-limited": "limited"}  # key -> its part
 MODEL = "m"
 CAPACITY = 8
 LIMIT = 3
+# Each endpoint's token budget: a request reserves its prompt ("x": 1 token) and its 8 to
+# answer, so the slots bind first (8 x 9 = 72); the worker's own count must stay within it
+# too, lost reservations given back with their leases.
+TOKENS = 80
 LEASE_TTL_S = 30  # (the default)
 # What the test waits for at most (a busy 2-core machine), and the promise it checks.
 FOLLOW_S = 30.0
@@ -69,7 +73,8 @@ redis: {{url: "{url}", lease_ttl_s: {LEASE_TTL_S}, command_timeout_s: 0.5}}
 tiers:
   default: {{queue_timeout_s: 20}}
 models:
-  {model}: {{endpoints: [{{url: "{worker.url}", max_concurrency: {CAPACITY}, model: m1}}]}}
+  {model}: {{endpoints: [{{url: "{worker.url}", max_concurrency: {CAPACITY}, model: m1,
+      max_tokens_in_flight: {TOKENS}}}]}}
 keys:
 {keys}
 """
@@ -199,6 +204,7 @@ async def recovers_in_seconds(
         peak = worker_load(worker)
         assert peak["sim:peak_requests_running"] <= CAPACITY, peak
         assert peak["sim:peak_requests_waiting"] == 0, peak
+        assert 0 < peak["sim:peak_tokens_running"] <= TOKENS, peak
         for gateway in gateways:
             await until(lambda g=gateway: _spool_empty(g), "the usage spool to empty", 20)
         admitted = {o.request for o in load.outcomes if o.status == 200}
