@@ -191,7 +191,8 @@ class AccountKeeper:
             self.keeps.lost()  # another master: it may lack what the last one had
         sent, holdings = adm.waiting.clock(), adm.holdings
         entries = holdings.entries_by_account()
-        for key in holdings.recent_accounts(self._horizon_s()) if self.keeps.wants_all() else ():
+        holdings.forget_seen(self._horizon_s())
+        for key in holdings.seen if self.keeps.wants_all() else ():
             entries.setdefault(key, [])  # (what a lost write brought back goes: `_calls`)
         due, everyone = self.keeps.due(entries, number, sent)
         keys, kept, whole = [k for k, _, _ in due], [i for _, i, _ in due], [w for _, _, w in due]

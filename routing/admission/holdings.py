@@ -91,15 +91,20 @@ class Holdings:
     # held here nor under way is no one's (a failover lost its release: `purging`).
     walks: dict[str, str] = field(default_factory=dict)
     issued: int = -1
-    # Accounts this replica took or gave back an entry of lately: key -> when (monotonic).
-    # Entries a failover brought back live a TTL after their last keep, though no request
-    # of the account is left here to keep them (`recent_accounts`).
+    # Accounts this replica took or gave back an entry of lately: key -> when (monotonic),
+    # oldest first (`_saw`; `forget_seen` drops the old). Entries a failover brought back
+    # live a TTL after their last keep, though no request of the account is left here to
+    # keep them (routing/admission/accountkeeps.py).
     seen: dict[str, float] = field(default_factory=dict)
 
     def begin(self, number: int, lease_id: str, account: str) -> None:
         """A walk begins (its id's number, its id, its account's key)."""
         self.walks[lease_id] = account
         self.issued = max(self.issued, number)
+        self._saw(account)
+
+    def _saw(self, account: str) -> None:
+        self.seen.pop(account, None)  # (to the end: the oldest stay first)
         self.seen[account] = time.monotonic()
 
     def end(self, lease_id: str) -> str | None:
@@ -110,13 +115,13 @@ class Holdings:
 
     def released(self, lease: Lease) -> None:
         self.held.pop(lease.id, None)
-        self.seen[lease.account] = time.monotonic()
+        self._saw(lease.account)
 
-    def recent_accounts(self, horizon_s: float) -> list[str]:
-        """Accounts seen within `horizon_s` (older ones forgotten)."""
+    def forget_seen(self, horizon_s: float) -> None:
+        """Forget accounts seen longer than `horizon_s` ago: O(those), oldest first."""
         now = time.monotonic()
-        self.seen = {k: t for k, t in self.seen.items() if now - t <= horizon_s}
-        return list(self.seen)
+        while self.seen and now - self.seen[account := next(iter(self.seen))] > horizon_s:
+            del self.seen[account]
 
     def purging(self, named: Iterable[str]) -> tuple[int, list[str]]:
         """What a sweep that names every waiter (`named`) and lease needs to take out of

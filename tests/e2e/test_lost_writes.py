@@ -36,13 +36,11 @@ from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import leftovers, rid, until, worker_load
 from tests.e2e.test_sentinel import (
-    AUTH,
     PASSWORD,
-    SENTINEL_READY_S,
     Nodes,
     _moved,
-    _replica_known,
     _spool_empty,
+    sentinel_nodes,
 )
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
@@ -82,28 +80,9 @@ keys:
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[Nodes]:
-    """A master that takes writes its replica has not seen (Redis's default), its replica,
-    and a Sentinel that fails over a second after the master stops answering."""
-    started: list[RedisServer] = []
-    try:
-        master = RedisServer(tmp_path, extra=[*AUTH, "--min-replicas-to-write", "0"]).start()
-        started.append(master)
-        replica = RedisServer(tmp_path, extra=[*AUTH, "--replicaof", "127.0.0.1", str(master.port)])
-        started.append(replica.start())
-        auth = ["--sentinel", "auth-pass", "gw", PASSWORD]
-        sentinel = RedisServer(tmp_path, sentinel=True, monitor=master.port, extra=auth)
-        started.append(sentinel.start())
-        with redis.Redis(port=sentinel.port, socket_timeout=5) as s:
-            s.execute_command("SENTINEL", "SET", "gw", "down-after-milliseconds", "1000",
-                              "failover-timeout", "3000")  # fmt: skip
-        deadline = time.monotonic() + SENTINEL_READY_S
-        while not _replica_known(sentinel):  # no event across processes: a bounded poll
-            assert time.monotonic() < deadline, "the sentinel never saw the replica"
-            time.sleep(0.1)
-        yield Nodes(master, replica, sentinel)
-    finally:
-        for server in reversed(started):
-            server.stop()
+    """A master that takes writes its replica has not seen (Redis's default)."""
+    with sentinel_nodes(tmp_path, ["--min-replicas-to-write", "0"]) as found:
+        yield found
 
 
 @dataclass

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -79,12 +80,13 @@ def _replica_known(sentinel: RedisServer) -> bool:
     )
 
 
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[Nodes]:
+@contextmanager
+def sentinel_nodes(tmp_path: Path, master_extra: Sequence[str]) -> Iterator[Nodes]:
+    """A master (with `master_extra`), its replica and a Sentinel that fails over a second
+    after the master stops answering, the replica known to it; all stopped after."""
     started: list[RedisServer] = []
     try:
-        master = RedisServer(tmp_path, extra=[*AUTH, "--min-replicas-to-write", "1",
-                                              "--min-replicas-max-lag", "10"]).start()  # fmt: skip
+        master = RedisServer(tmp_path, extra=[*AUTH, *master_extra]).start()
         started.append(master)
         replica = RedisServer(tmp_path, extra=[*AUTH, "--replicaof", "127.0.0.1", str(master.port)])
         started.append(replica.start())
@@ -104,6 +106,14 @@ def nodes(tmp_path: Path) -> Iterator[Nodes]:
     finally:
         for server in reversed(started):
             server.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    with sentinel_nodes(
+        tmp_path, ["--min-replicas-to-write", "1", "--min-replicas-max-lag", "10"]
+    ) as found:
+        yield found
 
 
 @dataclass

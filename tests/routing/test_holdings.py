@@ -47,3 +47,19 @@ async def test_what_the_sweep_sends_back() -> None:
     assert holdings.entries_by_account() == {"gw:acct:{a}": ["l1"], "gw:acct:{b}": ["w1"]}
     assert holdings.is_live("l1") and holdings.is_live("w1") and not holdings.is_live("w3")
     assert holdings.holding("m") == 2
+
+
+def test_accounts_seen_lately_are_kept_oldest_first_and_forgotten_past_the_horizon() -> None:
+    """A walk's start and a release stamp their account (moved to the end when seen again);
+    `forget_seen` drops from the front those seen before the horizon, the rest stay."""
+    holdings = Holdings()
+    holdings.begin(0, "r-0~1~x", "gw:acct:{a}")
+    holdings.begin(1, "r-1~1~x", "gw:acct:{b}")
+    holdings.seen["gw:acct:{a}"] -= 100.0  # (seen long ago)
+    holdings.seen["gw:acct:{b}"] -= 100.0
+    lease = Lease("r-0~1~x", "m", "http://w:8000", "gw:acct:{a}", 0.0)
+    holdings.released(lease)  # a again, now: to the end
+    assert list(holdings.seen) == ["gw:acct:{b}", "gw:acct:{a}"]
+    holdings.forget_seen(50.0)
+    assert list(holdings.seen) == ["gw:acct:{a}"] and holdings.issued == 1
+    assert holdings.end("r-0~1~x") is None and list(holdings.walks) == ["r-1~1~x"]
