@@ -31,6 +31,7 @@ from rediskit import STREAM, TAG, Delta, Snapshot, median, sent_counts, top_leve
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission
 from routing.admission.plan import plan_candidates
+from routing.admission.slots import account_key
 from routing.registry import Registry
 from routing.store.cluster import ClusterStore
 from routing.store.connect import cluster_store
@@ -146,7 +147,7 @@ async def leftovers(
         held["leases"] += int(await client.zcard(slots.keys[0]))
         held["queued"] += int(await client.zcard(slots.keys[1]))
     for account in accounts:
-        held["account_entries"] += int(await client.zcard("gw:acct:{" + account + "}"))
+        held["account_entries"] += int(await client.zcard(account_key(account)))
     return held
 
 

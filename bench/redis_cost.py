@@ -51,6 +51,7 @@ from gateway.runtime.settings import parse_config  # noqa: E402
 from routing.admission.admit import Admission  # noqa: E402
 from routing.admission.keeper import Keeper  # noqa: E402
 from routing.admission.plan import plan_candidates  # noqa: E402
+from routing.admission.slots import account_key  # noqa: E402
 from routing.registry import Registry  # noqa: E402
 from routing.store.resp import RespClient  # noqa: E402
 
@@ -278,7 +279,7 @@ async def leftovers(info: aioredis.Redis, admission: Admission) -> dict[str, int
     return {
         "leases": int(await info.zcard(keys[0])),
         "queued": int(await info.zcard(keys[1])),
-        "account_entries": int(await info.zcard("gw:acct:{" + TAG + "}")),
+        "account_entries": int(await info.zcard(account_key(TAG))),
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.admission.slots import account_key
 from routing.store.wire import Transaction, unfolded
 
 # Every name the benchmark writes under: models, account, replicas, request ids.
@@ -196,7 +197,7 @@ class Cleanup:
 
     async def __aexit__(self, *exc: object) -> None:
         client = self.client
-        for pattern in ("gw:{" + TAG + "*", "gw:acct:{" + TAG + "}", "{usage}:rid:" + TAG + "*"):
+        for pattern in ("gw:{" + TAG + "*", account_key(TAG), "{usage}:rid:" + TAG + "*"):
             async for key in client.scan_iter(match=pattern, count=1000):
                 await client.delete(key)
         # The identities of the records it wrote, in the sets of their seconds.

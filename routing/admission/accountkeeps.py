@@ -1,6 +1,6 @@
 """Which accounts' entries a sweep keeps (routing/admission/keeper.py).
 
-Each request running or waiting holds an entry in its account's count (`gw:acct:{account}`,
+Each request running or waiting holds an entry in its account's count (`gw:acct:{<tag>}`,
 one key per account, each behind its own hash tag), which lives the lease TTL unless its
 replica keeps it. Keeping every account at every sweep cost one script call per account a
 second: with 10,000 accounts waiting, 5,000 calls per replica a second, most of Redis's

@@ -2,8 +2,9 @@
 replicas (docs/architecture.md, "Rate limits").
 
 Each limit is a GCRA bucket in Redis (routing/store/lua/ratelimit.lua), all of an account's
-in one HASH under the account's hash tag, `gw:rl:{<account>}`, beside its concurrency count
-`gw:acct:{<account>}` (the same Redis Cluster node). A walk's first try takes the charge in
+in one HASH under the account's hash tag, `gw:rl:{<tag>}`, beside its concurrency count
+`gw:acct:{<tag>}` (the tag: the account's digest, slots.py `account_tag`; the same Redis
+Cluster node). A walk's first try takes the charge in
 the same batch as its acquire (routing/admission/acquire.py): one request, and its token
 reservation (its estimated prompt and its answer capped by the first candidate's
 `max_tokens_default`). A walk that admits nothing gives the charge back; a release trues
@@ -21,6 +22,7 @@ from typing import Any
 
 from routing.admission.handback import Handback
 from routing.admission.plan import Candidate
+from routing.admission.slots import account_tag
 from routing.admission.tokens import TokenAsk
 from routing.errors import Limited, LimitReason
 from routing.quotas import Quota, Quotas
@@ -33,7 +35,7 @@ TAKEN, REFUSED_REQUESTS, REFUSED_TOKENS, NEVER = 1, 0, -1, -2
 
 def rate_key(account: str) -> str:
     """The account's buckets: under its hash tag, as its concurrency count (slots.py)."""
-    return "gw:rl:{" + account + "}"
+    return "gw:rl:{" + account_tag(account) + "}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,16 +27,25 @@ def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> 
     """An id that carries its account and weight, and the tokens it reserves of an
     endpoint's budget (none: 0), so that every script knows whose a lease or waiter is and
     what it holds from the id alone, a dead replica's too (fair share, token budgets;
-    prelude.lua `account_of`, `tokens_of`). The account is named by a short digest: any
-    name fits, and no name shows in Redis."""
-    digest = hashlib.blake2b(account.encode(), digest_size=6).hexdigest()
+    prelude.lua `account_of`, `tokens_of`). The account is named by its digest
+    (`account_tag`): any name fits, and no name shows in Redis."""
+    digest = account_tag(account)
     if tokens > 0:
         return f"{prefix}~{tokens}~{weight:g}~{digest}"
     return f"{prefix}~{weight:g}~{digest}"
 
 
+def account_tag(account: str) -> str:
+    """The account's name in Redis: a 64-bit digest (two accounts of a million share one
+    with odds of 3 in 100 million), in its lease ids and as its keys' hash tag, so that a
+    script that drops a dead replica's lease finds the account's count from the id alone
+    (prelude.lua `drop_entry`)."""
+    return hashlib.blake2b(account.encode(), digest_size=8).hexdigest()
+
+
 def account_key(account: str) -> str:
-    return "gw:acct:{" + account + "}"
+    """The account's count of requests running and waiting (ZSET lease id -> expiry)."""
+    return "gw:acct:{" + account_tag(account) + "}"
 
 
 # A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.

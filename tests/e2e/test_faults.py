@@ -27,6 +27,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from routing.admission.slots import account_key
 from routing.store.connect import connect
 from tests.e2e import procs
 from tests.e2e.conftest import digest
@@ -360,7 +361,7 @@ async def _rebuilt(fleet: Fleet, order: list[str]) -> bool:
     return (
         await zcard(fleet, "gw:{m}:leases") == 8
         and await queue_ids(fleet, "m") == order
-        and await zcard(fleet, "gw:acct:{faults-one}") == 1
+        and await zcard(fleet, account_key("faults-one")) == 1
     )
 
 
@@ -413,11 +414,11 @@ async def test_a_waiters_account_entry_outlives_the_lease_ttl(fleet: Fleet) -> N
         await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
         async with redis_of(fleet) as client:
             entry, first_expiry = (
-                await client.zrange("gw:acct:{faults-two}", 0, -1, withscores=True)
+                await client.zrange(account_key("faults-two"), 0, -1, withscores=True)
             )[0]
 
             async def pushed() -> bool:
-                score = await client.zscore("gw:acct:{faults-two}", entry)
+                score = await client.zscore(account_key("faults-two"), entry)
                 return score is not None and score > first_expiry + LEASE_TTL_S * 1000
 
             # Kept alive past the TTL it was taken with.

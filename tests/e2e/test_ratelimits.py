@@ -19,6 +19,7 @@ import openai
 import pytest
 import redis
 
+from routing.admission.ratelimit import rate_key
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest
@@ -66,7 +67,7 @@ def forget_buckets() -> None:
     """This module's accounts start full (a run a minute ago may have spent them)."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        client.delete(*("gw:rl:{" + a + "}" for a in ACCOUNTS))
+        client.delete(*(rate_key(a) for a in ACCOUNTS))
     finally:
         client.close()
 

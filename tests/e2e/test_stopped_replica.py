@@ -20,6 +20,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from routing.admission.slots import account_key
 from routing.admission.timing import Timing
 from tests.e2e import procs
 from tests.e2e.test_faults import (
@@ -136,7 +137,7 @@ async def test_an_account_limit_holds_while_its_replica_is_stopped(stopped: Stop
     stream runs at the worker and m counts it: A must refuse faults-one a second request
     all along, the last moment before the lease's end included."""
     a, b = stopped.replicas
-    lease_key, acct_key = "gw:{m}:leases", "gw:acct:{faults-one}"
+    lease_key, acct_key = "gw:{m}:leases", account_key("faults-one")
     async with held(b.url, "m", key=KEY_ONE, rid="stopped-one-stream"):
         seen: list[tuple[float | None, float | None]] = []
 
@@ -162,6 +163,51 @@ async def test_an_account_limit_holds_while_its_replica_is_stopped(stopped: Stop
             f"faults-one (max 1) admitted a second request while its first still ran on the "
             f"stopped replica (lease {lease}, entry {entry}): {answer.text}"
         )
+    await clean(stopped)
+
+
+async def test_a_killed_replicas_account_entry_leaves_with_its_lease(stopped: Stopped) -> None:
+    """faults-one (max 1) runs a stream on a third replica, killed -9 right after a sweep
+    that kept the stream's lease but not its account's entry (entries are kept a third of
+    the TTL apart, so they outlive the leases). A's sweep that reclaims the dead lease takes
+    the entry with it: once the lease is gone so is the entry, and A serves faults-one."""
+    a, _ = stopped.replicas
+    lease_key, acct_key = "gw:{m}:leases", account_key("faults-one")
+    doomed = procs.gateway(stopped.tmp, stopped.config)
+    flowing = asyncio.Event()
+
+    async def stream() -> None:
+        async with held(doomed.url, "m", key=KEY_ONE, rid="killed-one-stream"):
+            flowing.set()
+            await asyncio.Event().wait()
+
+    running = asyncio.create_task(stream())
+    try:
+        await asyncio.wait_for(flowing.wait(), 10)
+        seen: list[tuple[float | None, float | None]] = []
+
+        async def lease_kept_alone() -> bool:
+            seen.append((await score(stopped, lease_key), await score(stopped, acct_key)))
+            return len(seen) > 1 and seen[-1][0] != seen[-2][0] and seen[-1][1] == seen[-2][1]
+
+        await until(lease_kept_alone, "a sweep keeping the lease alone", 3 * LEASE_TTL_S)
+        doomed.stop(signal.SIGKILL)
+        lease, entry = seen[-1]
+        assert lease is not None and entry is not None and entry > lease, seen[-1]
+
+        async def reclaimed() -> bool:
+            return await score(stopped, lease_key) is None
+
+        await until(reclaimed, "the dead replica's lease reclaimed", LEASE_TTL_S + SLACK_S)
+        left = await score(stopped, acct_key)
+        answer = await post(a.url, "free", key=KEY_ONE, fail_fast=True)
+    finally:
+        doomed.stop(signal.SIGKILL)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    print(f"lease {lease}, entry {entry}: entry left {left}; A answered {answer.status_code}")
+    assert left is None, f"the account's entry outlived its reclaimed lease: {left}"
+    assert answer.status_code == 200, answer.text
     await clean(stopped)
 
 
@@ -226,7 +272,8 @@ async def _zcard(client: object, key: str, count: int) -> bool:
 
 
 ACCOUNTS = (("faults-one", KEY_ONE), ("faults-two", KEY_TWO))
-# A dead replica's account entries live the lease TTL and AccountKeeps.lag_ms.
+# A stopped replica's account entries live the lease TTL and AccountKeeps.lag_ms (a dead
+# one's go with its leases: prelude.lua `drop_entry`).
 ENTRIES_S = LEASE_TTL_S + LEASE_TTL_S / 3 + COMMAND_TIMEOUT_S
 
 
@@ -252,7 +299,7 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
 
             async def old() -> bool:  # a sweep kept the leases, not the accounts' entries
                 leases = await client.zrange("gw:{m}:leases", 0, -1, withscores=True)
-                acct = await client.zrange("gw:acct:{faults-two}", 0, -1, withscores=True)
+                acct = await client.zrange(account_key("faults-two"), 0, -1, withscores=True)
                 seen.append((sorted(s for _, s in leases), sorted(s for _, s in acct)))
                 return len(seen) > 1 and seen[-1][0] != seen[-2][0] and seen[-1][1] == seen[-2][1]
 
@@ -266,7 +313,7 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
                 for _, key in ACCOUNTS:
                     url = (a, b)[len(early) % 2].url
                     early.append((await post(url, "free", key=key, fail_fast=True)).status_code)
-                counts = [await client.zcard(f"gw:acct:{{{name}}}") for name, _ in ACCOUNTS]
+                counts = [await client.zcard(account_key(name)) for name, _ in ACCOUNTS]
                 return (
                     await client.zcard("gw:{m}:leases") == 2
                     and await client.zrange(queue, 0, -1) == order

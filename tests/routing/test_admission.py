@@ -22,7 +22,7 @@ from routing.admission.admit import Admission, Admitted, Lease
 from routing.admission.keeper import Keeper
 from routing.admission.partitions import partition_names
 from routing.admission.plan import Candidate, plan_candidates
-from routing.admission.slots import QUEUED
+from routing.admission.slots import QUEUED, account_key
 from routing.errors import Limited, Unavailable
 from routing.ledger.records import UsageSettings, identity
 from routing.ledger.spool import UsageSpool
@@ -110,6 +110,8 @@ class Fleet:
     _admissions: list[Admission] = field(default_factory=list)
     _keepers: list[Keeper] = field(default_factory=list)
     _clients: list[aioredis.Redis] = field(default_factory=list)
+    # Every replica this fleet started (their ids begin their lease ids: `assert_clean`).
+    replica_ids: set[str] = field(default_factory=set)
 
     def client(self, url: str = REDIS_URL, **options: Any) -> aioredis.Redis:
         # As many connections as the gateway's own clients (redis-py's default, 100, would
@@ -150,6 +152,7 @@ class Fleet:
         )  # fmt: skip
         await bounded(adm.start())
         self._admissions.append(adm)
+        self.replica_ids.add(adm.replica_id)
         return adm
 
     async def keeper(
@@ -208,7 +211,7 @@ class Fleet:
         return endpoint_load(await self.redis.hgetall("gw:{" + model + "}:ep_load"))
 
     async def account(self, account: str = "t-acme") -> int:
-        return int(await self.redis.zcard("gw:acct:{" + account + "}"))
+        return int(await self.redis.zcard(account_key(account)))
 
     async def assert_clean(self) -> None:
         """No lease, no waiter, no per-endpoint load and no account entry left anywhere."""
@@ -220,8 +223,12 @@ class Fleet:
             assert await self.redis.zcard(tag + "qexp") == 0, model
             assert await self.redis.hlen(tag + "ep_of") == 0, model
             assert await self.load(model) == 0, model
-        async for key in self.redis.scan_iter(match="gw:acct:{t-*"):
-            assert await self.redis.zcard(key) == 0, key
+        prefixes = tuple(r + "-" for r in self.replica_ids)
+        async for key in self.redis.scan_iter(match="gw:acct:*"):
+            mine = [
+                m for m in map(text, await self.redis.zrange(key, 0, -1)) if m.startswith(prefixes)
+            ]
+            assert not mine, (key, mine)
 
 
 @pytest.fixture(params=["resp", "redis-py"])
@@ -551,10 +558,10 @@ async def test_keeper_sweep_keeps_held_leases_alive_and_reports_state(fleet: Fle
     soon = seconds * 1000 + micros // 1000 + 2000  # about to expire, not yet expired
     member = f"{lease.id} {lease.endpoint}"
     await fleet.redis.zadd("gw:{two}:leases", {member: soon}, xx=True)
-    await fleet.redis.zadd("gw:acct:{t-acme}", {lease.id: soon}, xx=True)
+    await fleet.redis.zadd(account_key("t-acme"), {lease.id: soon}, xx=True)
     await bounded(keeper.sweep_once())
     assert (await fleet.redis.zscore("gw:{two}:leases", member) or 0) > soon
-    assert (await fleet.redis.zscore("gw:acct:{t-acme}", lease.id) or 0) > soon
+    assert (await fleet.redis.zscore(account_key("t-acme"), lease.id) or 0) > soon
     assert keeper.states["two"].inflight == 1
     assert keeper.states["two"].queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 0}
     assert await fleet.redis.zscore("gw:replicas", adm.replica_id) is not None
@@ -606,7 +613,7 @@ async def test_the_lease_of_a_replica_gone_is_reclaimed_by_another(fleet: Fleet)
     assert await fleet.leases("two") == 2
     await release_all(alive, [admitted.lease])
     await fleet.redis.zadd("gw:{two}:leases", {f"{held[1].id} {held[1].endpoint}": past}, xx=True)
-    await fleet.redis.zadd("gw:acct:{t-acme}", {h.id: past for h in held}, xx=True)
+    await fleet.redis.zadd(account_key("t-acme"), {h.id: past for h in held}, xx=True)
     await bounded(keeper.sweep_once())
     assert await fleet.leases("two") == 0
 

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission
 from routing.admission.plan import Candidate, plan_candidates
+from routing.admission.slots import account_key
 from routing.admission.tokens import TokenAsk
 from routing.errors import TooLarge
 from routing.registry import Registry
@@ -87,7 +88,7 @@ async def test_a_request_no_endpoint_could_hold_is_refused_without_queueing(
     assert (refused.value.needed, refused.value.budget) == (2050, 2000)
     assert "2000 tokens" in refused.value.message
     assert not await real_redis.exists("gw:{small}:queue", "gw:{small}:leases")
-    assert await real_redis.zcard("gw:acct:{acme}") == 0  # the account's entry went back
+    assert await real_redis.zcard(account_key("acme")) == 0  # the account's entry went back
 
 
 async def test_the_walk_goes_past_a_model_too_small_for_the_request(

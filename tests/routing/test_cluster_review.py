@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.runtime.settings import parse_config
+from routing.admission.slots import account_key
 from routing.errors import Unavailable
 from routing.registry import Registry
 from routing.store.cluster import ClusterStore
@@ -55,11 +56,14 @@ async def private_fleet(
         cluster.stop()
 
 
-def tag_where(cluster: RedisCluster, prefix: str, wanted: Callable[[RedisServer], bool]) -> str:
-    """The first hash tag `<prefix><n>` whose master is `wanted`."""
-    return next(
-        f"{prefix}{i}" for i in range(1000) if wanted(cluster.node_of("{" + prefix + str(i) + "}"))
-    )
+def tag_where(
+    cluster: RedisCluster,
+    prefix: str,
+    wanted: Callable[[RedisServer], bool],
+    key: Callable[[str], str] = lambda name: "{" + name + "}",
+) -> str:
+    """The first name `<prefix><n>` whose key (`key`: its hash tag) has a `wanted` master."""
+    return next(f"{prefix}{i}" for i in range(1000) if wanted(cluster.node_of(key(f"{prefix}{i}"))))
 
 
 async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
@@ -74,8 +78,8 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
         fleet,
     ):
         model_node = cluster.node_of("{two}")
-        account = tag_where(cluster, "t-r", lambda node: node is not model_node)
-        account_node = cluster.node_of("{" + account + "}")
+        account = tag_where(cluster, "t-r", lambda node: node is not model_node, account_key)
+        account_node = cluster.node_of(account_key(account))
         down = next(n for n in cluster.nodes if n not in (model_node, account_node))
         adm = await fleet.admission()
         down.kill()
@@ -88,7 +92,7 @@ async def test_noscript_on_one_master_with_another_down_gives_back_what_ran(
             await bounded(adm.release(lease))
         await bounded(adm.drain())
         with cluster.client(account_node) as client:
-            assert client.zcard("gw:acct:{" + account + "}") == 0, "the account entry leaked"
+            assert client.zcard(account_key(account)) == 0, "the account entry leaked"
 
 
 async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
@@ -102,7 +106,7 @@ async def test_a_restarted_master_runs_scripts_while_another_master_is_down(
         fleet,
     ):
         model_node = cluster.node_of("{two}")
-        account = tag_where(cluster, "t-r", lambda node: node is model_node)
+        account = tag_where(cluster, "t-r", lambda node: node is model_node, account_key)
         down = next(n for n in cluster.nodes if n is not model_node)
         adm = await fleet.admission()
         down.kill()

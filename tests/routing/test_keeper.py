@@ -20,6 +20,7 @@ from gateway.runtime.settings import parse_config
 from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
 from routing.admission.keeper import REPLICAS_KEY, RESERVED_EVERY, Keeper
+from routing.admission.slots import account_key
 from routing.admission.tokens import TokenAsk
 from routing.background import BackgroundErrors
 from routing.ledger.records import USAGE_STREAM, UsageSettings
@@ -147,11 +148,9 @@ async def test_on_one_redis_the_accounts_are_kept_in_one_call(
     accounts = [f"t-keep-{i}" for i in range(2)]  # ("two" holds 2)
     leases = [(await admit(adm, fleet.plan("two"), account=a)).lease for a in accounts]
     for a in accounts:
-        await real_redis.delete("gw:acct:{" + a + "}")  # lost: each written back
+        await real_redis.delete(account_key(a))  # lost: each written back
     await bounded(keeper.sweep_once())
-    assert len(calls) == 1 and sorted(calls[0][1]) == sorted(
-        "gw:acct:{" + a + "}" for a in accounts
-    )
+    assert len(calls) == 1 and sorted(calls[0][1]) == sorted(account_key(a) for a in accounts)
     assert all([await fleet.account(a) for a in accounts])
     for lease in leases:
         await bounded(adm.release(lease))

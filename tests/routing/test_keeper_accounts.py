@@ -17,7 +17,7 @@ from gateway.runtime.settings import parse_config
 from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
 from routing.admission.keeper import REPLICAS_KEY
-from routing.admission.slots import QUEUED
+from routing.admission.slots import QUEUED, account_key
 from routing.errors import Limited
 from routing.registry import Registry
 from routing.store.connect import connect
@@ -137,10 +137,10 @@ async def test_on_a_cluster_a_node_restarted_empty_has_its_accounts_entries_writ
         account = next(
             a
             for i in range(100)
-            if cluster.node_of("{" + (a := f"t-node-{i}") + "}")
+            if cluster.node_of(account_key(a := f"t-node-{i}"))
             not in (beats, cluster.node_of("{two}"))
         )
-        down = cluster.node_of("{" + account + "}")
+        down = cluster.node_of(account_key(account))
         adm = await fleet.admission()
         keeper = keeper_of(fleet, adm)
         lease = (await admit(adm, fleet.plan("two"), account=account, limit=1)).lease

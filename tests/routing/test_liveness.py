@@ -12,9 +12,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from routing.admission.replies import Sweep, sweep_result
-from routing.admission.slots import _MODEL_KEYS, RANK, make_lease_id
+from routing.admission.slots import _MODEL_KEYS, RANK, account_key, make_lease_id
 from routing.store.wire import text
 from tests.routing.test_slots import TIMING, Model, slots
+from tests.routing.test_slots import A as A_URL
 from tiers.policy import Tier
 
 pytestmark = pytest.mark.usefixtures("script_modes")
@@ -256,3 +257,43 @@ async def test_after_lost_writes_a_sweep_takes_out_what_its_replica_no_longer_ho
     assert await m.queue() == [other, walking, later]
     assert (await m.state())[:3] == [2, 0, 3]
     await m.release(held, named, other, walking, later)
+
+
+@pytest.mark.parametrize("one_redis", [True, False], ids=["one-redis", "cluster-keys"])
+async def test_a_dead_replicas_waiter_and_lease_take_their_account_entries(
+    real_redis: aioredis.Redis, one_redis: bool
+) -> None:
+    """On one Redis a waiter buried and a lease reclaimed after their replica died take
+    their entries in the account's count with them, in the same call (prelude.lua
+    `drop_entry`): the keeps write entries to outlive the leases by up to a third of the
+    TTL, and a limited account would be refused that long for requests no one runs. Given
+    a Cluster's keys (every key of the model: the account's lives on another node) the
+    sweeps never touch it; there every account is kept at every round."""
+    m = Model(real_redis, slots(((A_URL, 1),), declare_all=not one_redis))
+    key, other = account_key("t-dead"), account_key("t-live")
+    lease, queued, theirs = (
+        waiter("r1", 1, "t-dead"),
+        waiter("r1", 2, "t-dead"),
+        waiter("r2", 1, "t-live"),
+    )
+    for lease_id, akey, wait in ((lease, key, False), (queued, key, True), (theirs, other, True)):
+        if one_redis:  # (acquire takes the entry itself; on a Cluster account.lua does)
+            await m.run(m.slots.acquire(lease_id, Tier.DEFAULT, may_wait=wait, account=(akey, 5)))
+        else:
+            await m.run(("account", [akey], [lease_id, 5, TIMING.lease_ttl_ms]))
+            await m.run(m.slots.acquire(lease_id, Tier.DEFAULT, may_wait=wait))
+    assert await m.leases() == {lease} and await m.queue() == [queued, theirs]
+    for replica in ("r1", "r2"):
+        await sweep(m, replica)
+    await bury_now(m, "r1")
+    await sweep(m, "r2")
+    assert await m.queue() == [theirs]
+    entries = {text(e) for e in await real_redis.zrange(key, 0, -1)}
+    assert entries == ({lease} if one_redis else {lease, queued})
+    await m.expire_lease(lease)
+    await sweep(m, "r2")
+    assert await m.leases() == {theirs}  # r1's slot went to r2's waiter
+    left = {text(e) for e in await real_redis.zrange(key, 0, -1)}
+    assert left == (set() if one_redis else {lease, queued})
+    assert {text(e) for e in await real_redis.zrange(other, 0, -1)} == {theirs}
+    await real_redis.delete(key, other)

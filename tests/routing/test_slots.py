@@ -48,9 +48,10 @@ def slots(
     priority: float = 1.0,
     model: str = "m",
     timing: Timing = TIMING,
+    declare_all: bool = True,
 ) -> ModelSlots:
     utilization = {Tier.PRIORITY: priority, Tier.DEFAULT: 1.0, Tier.FLEX: flex}
-    made = ModelSlots(model, utilization, max_queue, timing)
+    made = ModelSlots(model, utilization, max_queue, timing, declare_all=declare_all)
     made.configured = frozenset(url for url, _ in endpoints)  # all in rotation, as at start
     made.set_endpoints([(url, size, 0.0) for url, size in endpoints])
     return made

@@ -80,7 +80,7 @@ local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
 -- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
 -- else each as a script that binds its own KEYS first.
 local LEASES, BASE, QUEUE, EP_OF, EP_LOAD, EP_TOK, QEXP, EPS, FREE, ACCOUNT, PRE, DOOMED
-local SEQ, REBUILD, CHANNEL, HELD, ALIVE, GONE
+local SEQ, REBUILD, CHANNEL, HELD, ALIVE, GONE, ENTRIES
 -- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
 -- pick in the same call answers without a call (a full model's acquire picks twice).
 -- `clock`: Redis's TIME. `waits`: the waiters per tier (prelude's rest: `waiting_counts`).
@@ -117,6 +117,9 @@ local function bind(keys)
   -- leases (on a Cluster they are given every key of the model, routing/admission/slots.py
   -- `declare_all`, and never an account's: it lives on another node).
   ACCOUNT = keys[#keys == 2 and 2 or 0]
+  -- One Redis (given the leases alone, or an account's key too): every key is on this node,
+  -- so a dead replica's lease or waiter that leaves takes its account's entry (`drop_entry`).
+  ENTRIES = #keys <= 2
   full, clock, waits, leases_n, touched, rebuild_open, ranks = false, nil, nil, nil, nil, nil, RANKS
   modes, roles, counted = nil, nil, nil
   roomy, free_head, ep_urls = nil, nil, nil
@@ -702,6 +705,18 @@ end
 
 -- Reclaim leases whose holder stopped refreshing them (their replica died): one call when
 -- there are none.
+-- A lease or waiter whose replica let it go (it died, or stopped past the TTL) takes its
+-- entry in its account's count (`gw:acct:{<tag>}`, its id's last word) with it, on one
+-- Redis: the entries are kept less often than the leases and outlive them, up to a third of
+-- the TTL (routing/admission/accountkeeps.py), and a limited account would be refused for a
+-- request no one runs till then. (On a Cluster the key is on another node; there every
+-- account is kept at every round, its entries as long-lived as the leases.)
+local function drop_entry(id)
+  if not ENTRIES then return end
+  local tag = account_of(id)
+  if tag ~= '' then redis.call('ZREM', 'gw:acct:{' .. tag .. '}', id) end
+end
+
 -- A member of `leases` forgotten: its slot (and tokens) back, its account's count follows.
 local function forget_lease(m)
   local id, ep = split(m)
@@ -709,6 +724,7 @@ local function forget_lease(m)
   if ep then give_slot(id, ep) end
   redis.call('HDEL', EP_OF, id)
   count(id, -1)
+  drop_entry(id)
 end
 
 local function reclaim(now)
@@ -751,6 +767,7 @@ local function purge(me, upto, kept, spare)
   for i = 1, #queued, 2 do
     if ghost(queued[i]) then
       unqueue(queued[i], queued[i + 1])
+      drop_entry(queued[i])
       n = n + 1
     end
   end
@@ -780,6 +797,7 @@ local function bury(now, waiting, me)
         local id = found[i]
         if string.sub(id, 1, #prefix) == prefix and string.find(id, '^%d+~', #prefix + 1) then
           unqueue(id, found[i + 1])
+          drop_entry(id)
         end
       end
       if #found < 2 * budget then
