@@ -162,6 +162,12 @@ class Scripts:
         self.functions: dict[str, str] = {}
         self.loaded: dict[str, str] = {}
 
+    def sources(self) -> dict[str, str]:
+        """Each script's text as EVALSHA runs it (its prelude around it), and the library's
+        code under the name "library" (without its first line, the library's name)."""
+        library = self._library.partition("\n")[2]
+        return {**self._text, **({"library": library} if library else {})}
+
     async def load(self, store: Store) -> None:
         """Load what the calls will run: the library and the plain scripts where Redis takes
         the library, else every script (Redis keeps what it is given: the scripts' texts,

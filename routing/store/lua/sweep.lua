@@ -171,7 +171,7 @@ local scan = not fresh
 -- place). One still queued lives by this replica (`alive`, prelude `live`); an entry of its
 -- own in `qexp` (an id that names no replica) is kept for the waiter TTL (ZADD XX: no
 -- entry, nothing written).
-local ids, keep = {}, {}
+local ids, alive_ids = {}, {}
 for i = at + 1, at + 2 * tonumber(ARGV[at]), 2 do ids[#ids + 1] = ARGV[i] end
 local places = scores_of(QUEUE, ids)
 local alive = (now + wttl) .. ''
@@ -185,8 +185,8 @@ for j, id in ipairs(ids) do
     mine = mine + 1
   elseif place then
     granted[j] = ''
-    keep[#keep + 1] = alive
-    keep[#keep + 1] = id
+    alive_ids[#alive_ids + 1] = alive
+    alive_ids[#alive_ids + 1] = id
   else
     -- Lost: back at its place.
     granted[j] = ''
@@ -198,7 +198,7 @@ for j, id in ipairs(ids) do
     if tonumber(redis.call('GET', SEQ) or '0') < seq then redis.call('SET', SEQ, seq) end
   end
 end
-set_scores(QEXP, keep)
+set_scores(QEXP, alive_ids)
 -- After Redis lost writes (the caller names all it holds, and the number its ids have
 -- reached): what it does not hold goes (prelude `purge`), before the pump hands slots on.
 local purged, tail_at = 0, pending + (tonumber(ARGV[pending]) or 0) + 3
@@ -226,16 +226,16 @@ end
 -- for seconds): its local share then counts fewer than it holds, never more.
 local np = tonumber(ARGV[pending]) or 0
 if np > 0 and np * #endpoint_urls() <= PENDING_CHECKS then
-  local ids, members = {}, {}
+  local owners, candidates = {}, {}
   for i = pending + 1, pending + np do
     for _, url in ipairs(endpoint_urls()) do
-      ids[#ids + 1], members[#members + 1] = ARGV[i], ARGV[i] .. ' ' .. url
+      owners[#owners + 1], candidates[#candidates + 1] = ARGV[i], ARGV[i] .. ' ' .. url
     end
   end
-  local found, counted = scores_of(LEASES, members), {}
-  for j = 1, #members do
-    if found[j] and not counted[ids[j]] then
-      counted[ids[j]] = true
+  local found, seen = scores_of(LEASES, candidates), {}
+  for j = 1, #candidates do
+    if found[j] and not seen[owners[j]] then
+      seen[owners[j]] = true
       mine = mine + 1
     end
   end
