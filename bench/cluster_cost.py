@@ -31,10 +31,10 @@ from rediskit import STREAM, TAG, Delta, Snapshot, median, sent_counts, top_leve
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission
 from routing.admission.plan import plan_candidates
-from routing.admission.slots import account_key
 from routing.registry import Registry
 from routing.store.cluster import ClusterStore
 from routing.store.connect import cluster_store
+from routing.store.keys import account_key
 from routing.store.slotmap import slot_of
 from tests.redis_cluster import RedisCluster, start_cluster
 

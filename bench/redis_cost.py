@@ -51,8 +51,8 @@ from gateway.runtime.settings import parse_config  # noqa: E402
 from routing.admission.admit import Admission  # noqa: E402
 from routing.admission.keeper import Keeper  # noqa: E402
 from routing.admission.plan import plan_candidates  # noqa: E402
-from routing.admission.slots import account_key  # noqa: E402
 from routing.registry import Registry  # noqa: E402
+from routing.store.keys import account_key  # noqa: E402
 from routing.store.resp import RespClient  # noqa: E402
 
 NOOP = "return 0"

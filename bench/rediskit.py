@@ -13,14 +13,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from routing.admission.slots import account_key
+from routing.store.keys import BEAT_PREFIX, REPLICAS_KEY, account_key
 from routing.store.wire import Transaction, unfolded
 
 # Every name the benchmark writes under: models, account, replicas, request ids.
 TAG = "bench-cost"
 STREAM = "usage"
-REPLICAS_KEY = "gw:replicas"
-BEAT_KEY = "gw:beat:"  # each replica's heartbeat mark (routing/admission/accountkeeps.py)
+
 # The acceptance: an admission costs Redis <= 25 no-op EVALSHAs. What a call costs
 # Redis is the core time it takes: process CPU, which counts reading, parsing and answering
 # the command as well as running it. The commandstats time counts the running alone (about
@@ -207,7 +206,7 @@ class Cleanup:
                 await client.srem(key, *ours[start : start + 1000])
         if self.replicas:
             await client.zrem(REPLICAS_KEY, *self.replicas)
-            await client.delete(*(BEAT_KEY + r for r in self.replicas))
+            await client.delete(*(BEAT_PREFIX + r for r in self.replicas))
         if not self._stream_existed:
             await client.delete(STREAM)
             return

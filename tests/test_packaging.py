@@ -52,4 +52,4 @@ def test_every_data_file_is_matched_by_package_data() -> None:
 
 def test_the_lua_scripts_are_found_as_package_resources() -> None:
     names = {f.name for f in resources.files("routing.store.lua").iterdir()}
-    assert {"prelude.lua", "acquire.lua", "release.lua"} <= names
+    assert {"prelude_names.lua", "acquire.lua", "release.lua"} <= names

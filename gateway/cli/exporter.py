@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import orjson
 import redis.asyncio as aioredis
 
-from routing.ledger.records import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM
 from tiers.usage import UsageRecord
 
 GROUPS = {"account": "account", "tier": "tier", "model": "served_model", "source": "source"}

@@ -31,9 +31,9 @@ from gateway.runtime.settings import (
 from routing.admission.ratelimit import RateLimits, rate_limits
 from routing.errors import UnavailableReason
 from routing.store.causes import StoreErrors
+from routing.store.keys import API_KEYS_HASH as KEYS_HASH
 from tiers.policy import Tier
 
-KEYS_HASH = "gw:keys"
 KEY_PREFIX = "gw-"
 
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from routing.store.keys import BEAT_PREFIX
 from routing.store.scripts import Call, first_error
 from routing.store.wire import text
 
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 # Three before the mark, when a heartbeat only said whether Redis knew this replica: a
 # failover that lost less than its life (3 rounds) went unseen.
 RECENT = 1
-# Where each replica's heartbeat leaves its mark (`AccountKeeper.heartbeat`).
-BEAT_KEY = "gw:beat:"
 # On one Redis this many accounts go in one keep (a script call per account cost about three
 # times its work); on a Cluster one, every account its own hash tag.
 PER_CALL = 500
@@ -246,7 +245,7 @@ class AccountKeeper:
         args: list[Any] = [adm.replica_id, adm.timing.waiter_ttl_ms]
         if not adm.store.one_node:
             return ("heartbeat", [replicas_key], args), mark
-        keys = [replicas_key, BEAT_KEY + adm.replica_id]
+        keys = [replicas_key, BEAT_PREFIX + adm.replica_id]
         return ("heartbeat", keys, [*args, mark, 2 * adm.timing.lease_ttl_ms]), mark
 
     def answered_beat(self, mark: str, reply: Any) -> None:

@@ -73,7 +73,7 @@ class Acquire:
         self, walk: Walk, part: str, may_wait: bool, tier: Tier, deadline: float
     ) -> Attempt:
         """`try_one`; a request that may wait and finds the model being rebuilt (Redis lost
-        its state, routing/store/lua/prelude.lua) waits for the window to end and tries again until
+        its state, the prelude's `lost`) waits for the window to end and tries again until
         `deadline` (its queue timeout). Meanwhile it holds no account entry: the account's
         count may not be written back yet, so it is checked again after."""
         while True:

@@ -46,7 +46,6 @@ from routing.admission.slots import (
     RANK,
     EndpointSpec,
     ModelSlots,
-    account_key,
     make_lease_id,
 )
 from routing.admission.timing import Timing
@@ -58,6 +57,7 @@ from routing.ledger.spool import Ledger, UsageSpool
 from routing.registry import Registry
 from routing.store.base import Store
 from routing.store.causes import StoreErrors
+from routing.store.keys import account_key
 from routing.store.scripts import STORE_ERRORS, Scripts
 from routing.store.wire import text
 from tiers.policy import Tier, TiersConfig

@@ -34,12 +34,12 @@ from routing.admission.reserved import RESERVED_EVERY, ReservedTokens
 from routing.admission.wakeups import Wakeups
 from routing.background import BackgroundErrors, every
 from routing.ledger.spool import UsageSpool
+from routing.store.keys import REPLICAS_KEY
 from routing.store.scripts import Call, first_error
 from routing.store.wire import text
 
 log = logging.getLogger("gateway.admission")
 
-REPLICAS_KEY = "gw:replicas"
 # A subscription that keeps failing (a wrong password, a Sentinel port) is tried again
 # after 0.5 s, then less and less often, up to this: never a spin. Wake-ups lost meanwhile
 # are claimed by the sweeps.

@@ -3,7 +3,7 @@
 Naming a waiter: its sweep reads its place; one Redis lost is queued again at its place, one
 granted whose wake-up was lost has its grant claimed (sweep.lua). Each costs the sweep an
 argument pair and a lookup, and a waiter's liveness costs nothing (it lives by its replica's
-entry in `alive`, prelude.lua `live`), so a waiter is named:
+entry in `alive`, prelude `live`), so a waiter is named:
 
 - once, at the first sweep after its acquire was answered. Redis applies writes in order,
   and a replica of it copies them so: the score a sweep writes in `alive`, found again by

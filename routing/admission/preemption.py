@@ -1,6 +1,6 @@
 """Preemption of flex before its first byte (docs/api.md, preemption), this replica's side.
 
-The choice is made in Redis (routing/store/lua/prelude.lua `preempt`): a newcomer of a tier
+The choice is made in Redis (routing/store/lua/prelude_*.lua `preempt`): a newcomer of a tier
 that may preempt, about to queue, takes the lease of a flex request that has not started,
 and its holder is told on the model's wake channel ("!id endpoint"). Here: the requests of
 this replica that may still be preempted, each with a future its route waits on beside its

@@ -22,20 +22,15 @@ from typing import Any
 
 from routing.admission.handback import Handback
 from routing.admission.plan import Candidate
-from routing.admission.slots import account_tag
 from routing.admission.tokens import TokenAsk
 from routing.errors import Limited, LimitReason
 from routing.quotas import Quota, Quotas
+from routing.store.keys import rate_key
 from routing.store.scripts import STORE_ERRORS, Call
 
 WINDOW_MS = 60_000
 # ratelimit.lua's statuses.
 TAKEN, REFUSED_REQUESTS, REFUSED_TOKENS, NEVER = 1, 0, -1, -2
-
-
-def rate_key(account: str) -> str:
-    """The account's buckets: under its hash tag, as its concurrency count (slots.py)."""
-    return "gw:rl:{" + account_tag(account) + "}"
 
 
 @dataclass(frozen=True, slots=True)

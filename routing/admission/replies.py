@@ -63,7 +63,7 @@ class Sweep:
     name: bool = False
     # Redis's clock when the sweep ran, in ms (0: not said): how old a wake-up is.
     clock_ms: int = 0
-    # Leases and waiters of this replica's ids it no longer holds, taken out (prelude.lua
+    # Leases and waiters of this replica's ids it no longer holds, taken out (prelude
     # `purge`: a sweep after Redis lost writes).
     purged: int = 0
     # Not by its last sweep's word: Redis lost writes since (a failover to a replica that

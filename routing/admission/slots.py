@@ -13,13 +13,14 @@ from typing import Any
 
 from routing.admission.affinity import Ring
 from routing.admission.timing import Timing
+from routing.store.keys import account_tag, model_key, model_keys
 from routing.store.scripts import Call
 from tiers.policy import BY_RANK, Tier
 
 GRANTED, QUEUED, BUSY, FULL, ACCOUNT_FULL, NO_INDEX, PAST_DEADLINE = 1, 2, 0, -1, -2, -3, -4
-# A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude.lua).
+# A waiter's place in its model's queue: rank x RANK + its sequence (as in prelude).
 RANK = 10**15
-# A tier's ceiling that does not bind (as in prelude.lua).
+# A tier's ceiling that does not bind (as in prelude).
 UNBOUND = "-"
 
 
@@ -27,7 +28,7 @@ def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> 
     """An id that carries its account and weight, and the tokens it reserves of an
     endpoint's budget (none: 0), so that every script knows whose a lease or waiter is and
     what it holds from the id alone, a dead replica's too (fair share, token budgets;
-    prelude.lua `account_of`, `tokens_of`). The account is named by its digest
+    prelude `account_of`, `tokens_of`). The account is named by its digest
     (`account_tag`): any name fits, and no name shows in Redis."""
     digest = account_tag(account)
     if tokens > 0:
@@ -35,26 +36,8 @@ def make_lease_id(prefix: str, weight: float, account: str, tokens: int = 0) -> 
     return f"{prefix}~{weight:g}~{digest}"
 
 
-def account_tag(account: str) -> str:
-    """The account's name in Redis: a 64-bit digest (two accounts of a million share one
-    with odds of 3 in 100 million), in its lease ids and as its keys' hash tag, so that a
-    script that drops a dead replica's lease finds the account's count from the id alone
-    (prelude.lua `drop_entry`)."""
-    return hashlib.blake2b(account.encode(), digest_size=8).hexdigest()
-
-
-def account_key(account: str) -> str:
-    """The account's count of requests running and waiting (ZSET lease id -> expiry)."""
-    return "gw:acct:{" + account_tag(account) + "}"
-
-
-# A model's keys, each behind its hash tag (`gw:{model}:`), in the order the scripts take them.
-_MODEL_KEYS = (
-    "leases", "queue", "ep_of", "ep_load", "seq", "freed", "qexp", "rebuild", "eps", "free",
-    "ep_tok", "pre", "doomed", "alive", "gone",
-)  # fmt: skip
 # How each tier shares a model's slots among waiting accounts (`tiers.<tier>.fairness`), as
-# the scripts spell it (prelude.lua `parse_spec`).
+# the scripts spell it (prelude `parse_spec`).
 FAIRNESS_LETTER = {"accounts": "a", "tokens": "t", "fifo": "f"}
 # An endpoint in rotation as admission knows it: (url, max_concurrency, load penalty), and
 # its token budget (tokens of KV cache its requests may reserve; None: none) where it has one,
@@ -95,20 +78,19 @@ class ModelSlots:
         """`declare_all`: pass the scripts every key of the model, not only the leases
         (a Redis Cluster: a node that is handing the slot on checks the keys a script was
         given before it runs; a key it only names could fail it midway)."""
-        tag = "gw:{" + model + "}:"
-        self.model, self.keys = model, [tag + k for k in _MODEL_KEYS]
+        self.model, self.keys = model, model_keys(model)
         # What the scripts are given: the leases first; on one Redis only those, as the
         # scripts name the others after it, a key passed costing a script more than a name
-        # it makes (routing/store/lua/prelude.lua).
+        # it makes (routing/store/lua/prelude_*.lua).
         self._key = self.keys if declare_all else self.keys[:1]
-        # Where grants are announced; the tokens each endpoint's leases reserve (prelude.lua
+        # Where grants are announced; the tokens each endpoint's leases reserve (prelude
         # `ep_tok`), read for metrics; the leases offered to preemption (`pre`) and the
         # preempted ones not given back yet (`doomed`).
-        self.channel, self.reserved_key = tag + "wake", tag + "ep_tok"
-        self.pre_key, self.doomed_key = tag + "pre", tag + "doomed"
+        self.channel, self.reserved_key = model_key(model, "wake"), model_key(model, "ep_tok")
+        self.pre_key, self.doomed_key = model_key(model, "pre"), model_key(model, "doomed")
         self._timing = timing
         # Whether this replica has seen the model's state in Redis (a sweep answered: if it
-        # is gone later, Redis lost it, prelude.lua `lost`); the waiters per tier the last
+        # is gone later, Redis lost it, prelude `lost`); the waiters per tier the last
         # sweep found (which partition a request queues in).
         self.known, self.seen_queue = False, dict[Tier, int]()
         # The model's endpoints as configured (None: not told; see `_ceiling`); url ->
@@ -135,7 +117,7 @@ class ModelSlots:
         default: accounts), the model's endpoints as configured (see `_ceiling`) and the
         tiers that may preempt flex (`preempt`), set again by a config reload."""
         self.max_queue = max_queue
-        # Each tier's part in preemption, as the scripts spell it (prelude.lua `roles`):
+        # Each tier's part in preemption, as the scripts spell it (prelude `roles`):
         # 'p' may preempt, 'v' flex when some tier may preempt it, '-' neither.
         self._roles = "".join(
             "p" if t in preempt else "v" if t is Tier.FLEX and preempt else "-" for t in BY_RANK
@@ -163,7 +145,7 @@ class ModelSlots:
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
         # What every pumping script needs to hand slots on, in one argument the scripts read
-        # only when someone waits (prelude.lua `parse_spec`): claim time, ceilings, which
+        # only when someone waits (prelude `parse_spec`): claim time, ceilings, which
         # tiers share between accounts.
         self._pump_spec = " ".join(
             map(
@@ -182,7 +164,7 @@ class ModelSlots:
     def largest_budget(self, tier: Tier | None = None) -> int | None:
         """The most a request of `tier` may reserve on an endpoint in rotation: its share
         (max_utilization) of the largest whole token budget (None: the whole of it); a
-        request reserving more could never be served at that tier (prelude.lua `fits`, from
+        request reserving more could never be served at that tier (prelude `fits`, from
         the same share as the scripts read it). None when an endpoint holds no budget
         (anything fits it); 0 when none is in rotation."""
         if any(budget == 0 for _, _, budget, _ in self._spec.values()):
@@ -310,12 +292,12 @@ class ModelSlots:
         it has queued (id, place) when it names them (not at every sweep: `Sweep.name`),
         and `pending` ids that may hold a lease it does not hold yet (counted as its own if
         they do: `Sweep.mine`). `replica`: its id, kept alive in the model (its waiters stay
-        queued while it is: prelude.lua `bury`); '' for none (every waiter named).
+        queued while it is: prelude `bury`); '' for none (every waiter named).
         `alive`: the score its last sweep answered wrote there (`Sweep.alive`), if known:
         any other found says Redis lost writes since, and its waiters are named at once.
         `purge` (with every waiter named, after Redis lost writes): the number this
         replica's ids have reached and the ids of its walks under way; whatever else of its
-        ids up to that number Redis holds goes (prelude.lua `purge`)."""
+        ids up to that number Redis holds goes (prelude `purge`)."""
         t = self._timing
         last = "" if alive is None else alive
         args: list[Any] = [t.lease_ttl_ms, last, self._pump_spec, len(leases)]

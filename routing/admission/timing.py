@@ -26,7 +26,7 @@ class Timing:
     # intervals, so a wake-up read on time needs no call.
     claim_ms: int
     # A waiter stays queued this long past its replica's last sweep of the model (the
-    # replica's entry in `alive`, prelude.lua `bury`).
+    # replica's entry in `alive`, prelude `bury`).
     waiter_ttl_ms: int
     # Once Redis is found to have lost a model's state, grants pause this long: every
     # replica's next sweep (and write-back) lands within it. A sweep starts at most an

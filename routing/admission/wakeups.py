@@ -1,6 +1,6 @@
 """Wake-ups: a grant to a waiter of this replica, announced on its model's channel.
 
-A grant says when it was made, by Redis's clock ("@<ms> <waiter> <endpoint>", prelude.lua
+A grant says when it was made, by Redis's clock ("@<ms> <waiter> <endpoint>", prelude
 `grant_head`). Each sweep's reply tells Redis's clock against this replica's (`saw_clock`),
 so a wake-up read here tells the waiter the earliest moment (this replica's clock) the grant
 can have been made: read well within the claim time, the grant is used without asking Redis

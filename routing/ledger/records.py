@@ -18,11 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.store.base import Store
+from routing.store.keys import DEDUPE_PREFIX, OLD_DEDUPE_PREFIX, USAGE_STREAM
 from routing.store.scripts import TRANSACTION, Call, Scripts
 from routing.store.wire import text
-
-USAGE_STREAM = "usage"
-
 
 DEFAULT_RETENTION_S = 35 * 86400.0
 # Request ids are remembered against duplicates as long as the stream keeps records, but
@@ -32,8 +30,7 @@ DEDUPE_MAX_S = 7 * 86400
 # Where identities are remembered: a set per second of the records' time (ts), which goes
 # when its identities may be forgotten; and the key of each identity, as older releases
 # wrote them (resends still look there).
-DEDUPE = "{usage}:rids:"
-OLD_DEDUPE = "{usage}:rid:"
+DEDUPE, OLD_DEDUPE = DEDUPE_PREFIX, OLD_DEDUPE_PREFIX
 # Sets whose expiry this process set lately (a record's second is nearly always the newest).
 STAMPS_KEPT = 8
 

@@ -13,7 +13,7 @@ second round trip on the hot path. Here a NOSCRIPT reply, or a function Redis do
 others already ran and must not run twice (a second `account` call would count the request
 twice).
 
-Why Functions: a script defines the prelude's functions (routing/store/lua/prelude.lua) anew
+Why Functions: a script defines the prelude's functions (routing/store/lua/prelude_*.lua) anew
 on every call, about 9 usec of Redis CPU for all of them, so that each script's common case
 makes only the few it needs; a library makes them once, when it is loaded, and a call runs
 only its own code. Redis 6.2, an emulation that refuses the library, or a user whose ACL
@@ -32,6 +32,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from routing.store import keys as layout
 from routing.store.base import Store
 from routing.store.futures import chain
 from routing.store.resp import NotSent
@@ -50,9 +51,11 @@ _PRELUDED = (
     "acquire", "release", "account", "cancel", "sweep", "move", "index", "start",
 )  # fmt: skip
 _PLAIN = ("account_keep", "heartbeat", "usage", "ratelimit", "ratelimit_settle")
-# Where a script wants the prelude's rest (routing/store/lua/prelude.lua); the prelude's functions
+# Where a script wants the prelude's rest (routing/store/lua/prelude_*.lua); the prelude's functions
 # a script's common case calls, named on its `-- @needs` line; where each begins.
 REST = "-- @rest\n"
+# Where the prelude takes its key names from the table (routing/store/keys.py).
+KEY_NAMES, KEYS = "-- @key-names\n", "    -- @keys\n"
 NEEDS = re.compile(r"^-- @needs (.*)$", re.M)
 FN = re.compile(r"^-- @fn (\w+)\n", re.M)
 # Redis 7 and later run a script that says so (`allow-oom`) at maxmemory too: then the free
@@ -71,11 +74,26 @@ def _lua(name: str) -> str:
     return resources.files("routing.store").joinpath("lua", name).read_text(encoding="utf-8")
 
 
+# The prelude's files (routing/store/lua/prelude_<part>.lua), in the order they make one
+# chunk: those whose functions a script's common case may call (`-- @fn` blocks), then the
+# rest, made where a script says `-- @rest`.
+PRELUDE_CORE = ("names", "seats")
+PRELUDE_REST = ("queue", "fair", "liveness", "pump", "spec")
+
+
+def prelude_text() -> str:
+    """The prelude as one text, the rest after its `-- @rest` line."""
+    core = "".join(_lua(f"prelude_{part}.lua") for part in PRELUDE_CORE)
+    return core + REST + "".join(_lua(f"prelude_{part}.lua") for part in PRELUDE_REST)
+
+
 class Prelude:
-    """prelude.lua in its parts: the key names, the functions (`-- @fn name` blocks, in
+    """The prelude in its parts: the key names, the functions (`-- @fn name` blocks, in
     their order), and the rest."""
 
     def __init__(self, text: str) -> None:
+        text = text.replace(KEY_NAMES, layout.lua_declarations())
+        text = text.replace(KEYS, layout.lua_names())
         core, self.rest = text.split(REST)
         parts = FN.split(core)
         self.names = parts[0]
@@ -148,7 +166,7 @@ class Scripts:
     def __init__(self, *, functions: bool = True) -> None:
         """`functions`: run the scripts as a library of Redis Functions where Redis has them
         (False: always by EVALSHA)."""
-        prelude = Prelude(_lua("prelude.lua"))
+        prelude = Prelude(prelude_text())
         bodies = {n: _lua(f"{n}.lua") for n in _PRELUDED}
         self._text = {n: prelude.around(bodies[n]) for n in _PRELUDED}
         self._text.update({n: _lua(f"{n}.lua") for n in _PLAIN})

@@ -27,8 +27,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import account_key
 from routing.store.connect import connect
+from routing.store.keys import account_key
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.redis_cluster import RedisCluster, start_cluster

@@ -8,7 +8,7 @@ back. Within 10 s of the failover the worker runs at full capacity again and
 the limited account is served; the worker never runs above its slots, one usage record per
 admitted request, nothing left in Redis once the load ends.
 
-Without the replicas' purge (routing/store/lua/prelude.lua `purge`, account_keep.lua), the
+Without the replicas' purge (routing/store/lua/prelude_*.lua `purge`, account_keep.lua), the
 ghosts held slots until their leases' TTL and the account's entries until theirs: full
 capacity back 11 s after the failover behind Sentinel and 25 s in the Cluster, the limited
 account refused 15 s (2026-12-07; with it: 2.2 s, 2.4 s and 0.4 s).
@@ -31,7 +31,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from routing.ledger.records import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import leftovers, rid, until, worker_load

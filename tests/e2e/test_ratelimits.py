@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis
 
-from routing.admission.ratelimit import rate_key
+from routing.store.keys import rate_key
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest

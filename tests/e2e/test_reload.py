@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import redis
 
-from routing.admission.slots import account_key
+from routing.store.keys import account_key
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest

@@ -20,8 +20,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from routing.admission.slots import account_key
 from routing.admission.timing import Timing
+from routing.store.keys import account_key
 from tests.e2e import procs
 from tests.e2e.test_faults import (
     KEY_ONE,
@@ -273,7 +273,7 @@ async def _zcard(client: object, key: str, count: int) -> bool:
 
 ACCOUNTS = (("faults-one", KEY_ONE), ("faults-two", KEY_TWO))
 # A stopped replica's account entries live the lease TTL and AccountKeeps.lag_ms (a dead
-# one's go with its leases: prelude.lua `drop_entry`).
+# one's go with its leases: prelude `drop_entry`).
 ENTRIES_S = LEASE_TTL_S + LEASE_TTL_S / 3 + COMMAND_TIMEOUT_S
 
 

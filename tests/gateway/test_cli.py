@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from gateway.cli.main import _parser, main
-from routing.ledger.records import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM
 from tests import conftest as root
 from tests.factories import usage_record
 from tests.test_docs import OUTSIDE

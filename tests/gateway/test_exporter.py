@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from gateway.cli import exporter
 from gateway.cli.exporter import RECORD_COLUMNS, TOTAL_COLUMNS, export, records, since_id, summarize
-from routing.ledger.records import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM
 from tests.factories import usage_record
 from tiers.usage import UsageRecord
 

@@ -23,7 +23,7 @@ from gateway.completions import hop, route
 from gateway.runtime.settings import parse_config
 from gateway.runtime.state import GatewayState
 from routing.errors import Preempted
-from routing.ledger.records import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM
 from tests.gateway.json_text import bodies
 from tests.gateway.test_app import (
     CONFIG,

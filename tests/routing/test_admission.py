@@ -22,13 +22,14 @@ from routing.admission.admit import Admission, Admitted, Lease
 from routing.admission.keeper import Keeper
 from routing.admission.partitions import partition_names
 from routing.admission.plan import Candidate, plan_candidates
-from routing.admission.slots import QUEUED, account_key
+from routing.admission.slots import QUEUED
 from routing.errors import Limited, Unavailable
 from routing.ledger.records import UsageSettings, identity
 from routing.ledger.spool import UsageSpool
 from routing.registry import Model, Registry
 from routing.store.base import Store
 from routing.store.connect import MAX_CONNECTIONS, RedisPyStore, connect, script_store, subscriber
+from routing.store.keys import account_key
 from routing.store.resp import RespClient
 from routing.store.wire import text
 from tests.conftest import REDIS_URL

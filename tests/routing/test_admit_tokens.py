@@ -13,11 +13,11 @@ import redis.asyncio as aioredis
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission
 from routing.admission.plan import Candidate, plan_candidates
-from routing.admission.slots import account_key
 from routing.admission.tokens import TokenAsk
 from routing.errors import TooLarge
 from routing.registry import Registry
 from routing.store.connect import RedisPyStore
+from routing.store.keys import account_key
 from routing.store.wire import text
 
 CONFIG = """

@@ -16,11 +16,11 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.runtime.settings import parse_config
-from routing.admission.slots import account_key
 from routing.errors import Unavailable
 from routing.registry import Registry
 from routing.store.cluster import ClusterStore
 from routing.store.connect import cluster_store, connect
+from routing.store.keys import account_key
 from routing.store.resp import NotSent, RespClient
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer

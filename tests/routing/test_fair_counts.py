@@ -1,4 +1,4 @@
-"""Fair share's counts (`held`: prelude.lua `counting`) are kept while someone waits and for a
+"""Fair share's counts (`held`: prelude `counting`) are kept while someone waits and for a
 while after the queue empties (sweep.lua `settle_counting`): a model at its capacity whose
 queue comes and goes counts its leases afresh (O(leases)) once, not each time a request
 queues behind an empty queue. While kept, every path counts, the common ones too."""

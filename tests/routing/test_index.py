@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("script_modes")
 C = "http://c:8000"
 
 
-# The long entry each endpoint key holds beside the endpoints (prelude.lua `WIDE`).
+# The long entry each endpoint key holds beside the endpoints (prelude `WIDE`).
 WIDE = "~" + "-" * 64
 
 
@@ -227,7 +227,7 @@ async def test_the_endpoint_keys_never_are_flat_lists(real_redis: aioredis.Redis
 
 
 # An acquire's seat as the release before the long entry wrote it (routing/store/lua/
-# prelude.lua at 270779b: parse_ep, fits, rescore, take_slot, take_any and seat, verbatim
+# prelude at 270779b: parse_ep, fits, rescore, take_slot, take_any and seat, verbatim
 # but for the comments): it knows nothing of WIDE. KEYS[1] the model's leases; ARGV: the
 # lease id, its expiry. Returns the endpoint, or false.
 OLDER_SEAT = """

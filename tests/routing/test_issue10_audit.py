@@ -13,8 +13,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.runtime.settings import parse_config
 from routing.errors import Unavailable
-from routing.ledger.records import USAGE_STREAM
 from routing.registry import Registry
+from routing.store.keys import USAGE_STREAM
 from tests.factories import usage_record
 from tests.routing import test_admission
 from tests.routing.test_admission import (

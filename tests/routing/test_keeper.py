@@ -19,14 +19,14 @@ from redis.exceptions import ResponseError
 from gateway.runtime.settings import parse_config
 from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
-from routing.admission.keeper import REPLICAS_KEY, RESERVED_EVERY, Keeper
-from routing.admission.slots import account_key
+from routing.admission.keeper import RESERVED_EVERY, Keeper
 from routing.admission.tokens import TokenAsk
 from routing.background import BackgroundErrors
-from routing.ledger.records import USAGE_STREAM, UsageSettings
+from routing.ledger.records import UsageSettings
 from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
 from routing.store.causes import StoreErrors
+from routing.store.keys import REPLICAS_KEY, USAGE_STREAM, account_key
 from tests.conftest import REDIS_URL
 from tests.routing.test_admission import (
     CONFIG,

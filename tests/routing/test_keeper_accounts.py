@@ -16,11 +16,11 @@ import redis.asyncio as aioredis
 from gateway.runtime.settings import parse_config
 from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
-from routing.admission.keeper import REPLICAS_KEY
-from routing.admission.slots import QUEUED, account_key
+from routing.admission.slots import QUEUED
 from routing.errors import Limited
 from routing.registry import Registry
 from routing.store.connect import connect
+from routing.store.keys import REPLICAS_KEY, account_key
 from routing.store.resp import RespClient
 from tests.conftest import REDIS_URL
 from tests.redis_cluster import start_cluster

@@ -1,5 +1,5 @@
 """A replica's waiters live by its sweeps' word that it is alive in the model (`alive`,
-prelude.lua `bury`), not by each waiter's own entry kept at every sweep: a waiter costs its
+prelude `bury`), not by each waiter's own entry kept at every sweep: a waiter costs its
 replica's sweeps nothing while it waits. Against the run's Redis, by the scripts alone."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from routing.admission.replies import Sweep, sweep_result
-from routing.admission.slots import _MODEL_KEYS, RANK, account_key, make_lease_id
+from routing.admission.slots import RANK, make_lease_id
+from routing.store.keys import MODEL, account_key
 from routing.store.wire import text
 from tests.routing.test_slots import TIMING, Model, slots
 from tests.routing.test_slots import A as A_URL
@@ -59,7 +60,7 @@ async def bury_now(m: Model, replica: str) -> None:
 
 
 def _key(name: str) -> int:
-    return _MODEL_KEYS.index(name)
+    return [key.name for key in MODEL].index(name)
 
 
 async def test_a_dead_replicas_waiters_leave_and_no_one_elses(real_redis: aioredis.Redis) -> None:
@@ -264,7 +265,7 @@ async def test_a_dead_replicas_waiter_and_lease_take_their_account_entries(
     real_redis: aioredis.Redis, one_redis: bool
 ) -> None:
     """On one Redis a waiter buried and a lease reclaimed after their replica died take
-    their entries in the account's count with them, in the same call (prelude.lua
+    their entries in the account's count with them, in the same call (prelude
     `drop_entry`): the keeps write entries to outlive the leases by up to a third of the
     TTL, and a limited account would be refused that long for requests no one runs. Given
     a Cluster's keys (every key of the model: the account's lives on another node) the

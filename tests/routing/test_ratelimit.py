@@ -25,12 +25,12 @@ from routing.admission.ratelimit import (
     RateLimits,
     Rates,
     quotas_of,
-    rate_key,
     rate_limits,
 )
 from routing.errors import Limited, LimitReason
 from routing.quotas import Quota, Quotas
 from routing.store.connect import RedisPyStore
+from routing.store.keys import rate_key
 from routing.store.scripts import Call, Scripts
 from tests.redis_server import RedisServer
 

@@ -13,12 +13,13 @@ import redis.asyncio as aioredis
 
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admission, Admitted
-from routing.admission.ratelimit import RateLimits, rate_key, rate_limits
+from routing.admission.ratelimit import RateLimits, rate_limits
 from routing.admission.tokens import TokenAsk
 from routing.errors import Limited, Unavailable
 from routing.quotas import Quota, Quotas
 from routing.registry import Registry
 from routing.store.connect import connect
+from routing.store.keys import rate_key
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster
 from tests.routing.test_admission import (

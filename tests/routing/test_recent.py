@@ -21,9 +21,10 @@ from routing.admission.admit import Admission
 from routing.admission.keeper import Keeper
 from routing.admission.plan import plan_candidates
 from routing.ledger.recent import Recent
-from routing.ledger.records import USAGE_STREAM, UsageSettings, record_call
+from routing.ledger.records import UsageSettings, record_call
 from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
+from routing.store.keys import USAGE_STREAM
 from routing.store.resp import RespClient
 from tests.redis_server import RedisServer
 from tests.routing.servers import Locator

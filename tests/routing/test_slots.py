@@ -25,9 +25,9 @@ from routing.admission.slots import (
     UNBOUND,
     ModelSlots,
     Timing,
-    account_key,
 )
 from routing.store.connect import RedisPyStore
+from routing.store.keys import account_key
 from routing.store.scripts import Scripts
 from routing.store.wire import text
 from tiers.policy import BY_RANK, Tier

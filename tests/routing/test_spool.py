@@ -20,9 +20,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from routing.ledger import spoolfile
-from routing.ledger.records import USAGE_STREAM, UsageSettings, store_sender
+from routing.ledger.records import UsageSettings, store_sender
 from routing.ledger.spool import UsageSpool
 from routing.store.connect import RedisPyStore
+from routing.store.keys import USAGE_STREAM
 from routing.store.scripts import Call, Scripts
 from tests.conftest import REDIS_URL
 

@@ -13,7 +13,6 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool
 from redis.exceptions import DataError, ResponseError
 
-from routing.admission.slots import account_key
 from routing.store.base import Store
 from routing.store.connect import (
     MAX_CONNECTIONS,
@@ -23,6 +22,7 @@ from routing.store.connect import (
     script_store,
     subscriber,
 )
+from routing.store.keys import account_key
 from routing.store.resp import RespClient
 from routing.store.scripts import Scripts
 from tests.conftest import REDIS_URL

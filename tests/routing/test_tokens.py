@@ -232,7 +232,7 @@ async def test_a_release_under_a_shrunk_budget_hands_its_slot_on_only_when_it_fi
     assert (await m.acquire(waiter, may_wait=True)).status == QUEUED
     m.slots.set_endpoints([(A, 2, 0.0, 400)])
     await m.write_index()
-    # As the gateway releases a lease: naming its endpoint (prelude.lua `hand_on`).
+    # As the gateway releases a lease: naming its endpoint (prelude `hand_on`).
     assert int(await m.run(m.slots.release([held[0]], endpoint=A))) == 0  # 500 + 300 > 400
     assert await m.queue() == [waiter]
     assert await reserved(m) == {A: 500}
@@ -247,7 +247,7 @@ async def test_a_release_on_an_endpoint_without_a_budget_hands_its_slot_on(
 ) -> None:
     """A model where one endpoint has a budget and another none (or `auto` not read yet):
     requests carry reservations, and a release on the one without hands its slot to a
-    waiter of another size (prelude.lua `hand_on`), where it failed (comparing with the
+    waiter of another size (prelude `hand_on`), where it failed (comparing with the
     whole budget it has not: the release's script error left the slot counted)."""
     m = Model(real_redis, budgeted((None, 1000), size=1))
     first, second = lid("h0", 100), lid("h1", 100)
