@@ -12,7 +12,7 @@ Run: .venv/bin/python bench/fleet.py [--only admission|http|queue|cluster|low] [
 The admission part drives the admission scripts (routing/store/lua/) through the calls the
 gateway builds (routing/admission/slots.py) and the lean RESP client, on a real redis-server
 of its own (a free loopback port; or --redis / REDIS_URL, used as it is: only the keys under
-`gw:{bench-fleet*}` are written, and removed at the end). No HTTP and no workers: the
+`gw:v2:{bench-fleet*}` are written, and removed at the end). No HTTP and no workers: the
 endpoints are names, since admission never calls them. The HTTP part and the Cluster run:
 bench/fleet_http.py.
 
@@ -186,7 +186,7 @@ class Model:
     async def clear(self, info: aioredis.Redis) -> None:
         for key in self.slots.keys:
             await info.delete(key)
-        async for key in info.scan_iter(match="gw:{" + self.slots.model + "}:*", count=1000):
+        async for key in info.scan_iter(match="gw:v2:{" + self.slots.model + "}:*", count=1000):
             await info.delete(key)
 
 

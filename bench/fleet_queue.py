@@ -49,7 +49,7 @@ class Window:
         self.marks: list[tuple[int, float, float, int]] = []
 
     def depth(self) -> int:
-        return int(self.client.hget("gw:{" + MODEL + "}:ep_load", "~w1") or 0)
+        return int(self.client.hget("gw:v2:{" + MODEL + "}:ep_load", "~w1") or 0)
 
     def completed(self) -> None:
         self.done += 1

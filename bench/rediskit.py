@@ -196,7 +196,7 @@ class Cleanup:
 
     async def __aexit__(self, *exc: object) -> None:
         client = self.client
-        for pattern in ("gw:{" + TAG + "*", account_key(TAG), "{usage}:rid:" + TAG + "*"):
+        for pattern in ("gw:v2:{" + TAG + "*", account_key(TAG)):
             async for key in client.scan_iter(match=pattern, count=1000):
                 await client.delete(key)
         # The identities of the records it wrote, in the sets of their seconds.

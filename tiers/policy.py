@@ -29,6 +29,18 @@ class Tier(StrEnum):
         """vLLM's `priority` field for this tier (lower runs first), for models that ask."""
         return TIERS[self].worker_priority
 
+    @property
+    def preemptible(self) -> bool:
+        """Its requests that have not started may lose their slot to a tier that may
+        preempt (`TierSpec.preemptible`)."""
+        return TIERS[self].preemptible
+
+    @property
+    def busy_reason(self) -> str:
+        """The 429 reason it gets when the model has no room for it (routing/errors.py
+        `LimitReason`, by value)."""
+        return TIERS[self].busy_reason
+
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
@@ -41,6 +53,13 @@ class TierSpec:
     queue_timeout_s: float
     price_multiplier: float
     may_preempt: bool = False
+    # Its requests that have not started may lose their slot to a tier that may preempt
+    # (it takes spare capacity only, so it never preempts itself: `may_preempt` refused);
+    # preempted, it gets a 429 or its place back at the head of its queue (`on_preempt`).
+    preemptible: bool = False
+    # The 429 reason when the model has no room for it (a value of routing/errors.py
+    # `LimitReason`: tests/tiers pin that each is one).
+    busy_reason: str = "model_busy"
 
     def defaults(self) -> dict[str, float | bool]:
         return {
@@ -51,13 +70,23 @@ class TierSpec:
         }
 
 
-# The tier table: adding a tier is a row here, a member of Tier and a field of TiersConfig.
+# The tier table: adding a tier is a row here, a member of Tier and a field of TiersConfig
+# (docs/how-to.md). Its roles (preemptible, its busy reason) are fields of its row: no code
+# names a tier to know what it does.
 TIERS: dict[Tier, TierSpec] = {
     Tier.PRIORITY: TierSpec(
         0, -1, max_utilization=1.0, queue_timeout_s=60.0, price_multiplier=1.5, may_preempt=True
     ),
     Tier.DEFAULT: TierSpec(1, 0, max_utilization=1.0, queue_timeout_s=30.0, price_multiplier=1.0),
-    Tier.FLEX: TierSpec(2, 1, max_utilization=0.8, queue_timeout_s=10.0, price_multiplier=0.5),
+    Tier.FLEX: TierSpec(
+        2,
+        1,
+        max_utilization=0.8,
+        queue_timeout_s=10.0,
+        price_multiplier=0.5,
+        preemptible=True,
+        busy_reason="flex_no_capacity",
+    ),
 }
 # Tiers in queue order (the order of the scripts' per-tier arguments and replies).
 BY_RANK: tuple[Tier, ...] = tuple(sorted(TIERS, key=lambda t: TIERS[t].rank))
@@ -76,8 +105,9 @@ class TierPolicy(BaseModel):
     # A request of this tier that would queue takes the slot of a flex request that has not
     # sent its first byte yet (docs/api.md, preemption).
     may_preempt: bool = False
-    # What a flex request preempted so gets: a 429 `preempted` (reject), or its place back
-    # at the head of the flex queue (requeue). Read for flex only.
+    # What a request of a preemptible tier (flex) preempted so gets: a 429 `preempted`
+    # (reject), or its place back at the head of its tier's queue (requeue). Read for the
+    # preemptible tiers only.
     on_preempt: Literal["reject", "requeue"] = "reject"
 
 
@@ -105,11 +135,13 @@ class TiersConfig(BaseModel):
         return merged
 
     @model_validator(mode="after")
-    def _flex_never_preempts(self) -> TiersConfig:
-        # Flex only takes spare capacity: a flex that may preempt would be ignored, silently.
-        if self.flex.may_preempt:
-            why = "flex.may_preempt: flex never preempts (it takes spare capacity only)"
-            raise PydanticCustomError("flex_preempts", why)
+    def _preemptible_never_preempts(self) -> TiersConfig:
+        # A preemptible tier (flex) only takes spare capacity: a `may_preempt` there would be
+        # ignored, silently.
+        for tier in Tier:
+            if tier.preemptible and self.policy(tier).may_preempt:
+                why = f"{tier}.may_preempt: {tier} never preempts (it takes spare capacity only)"
+                raise PydanticCustomError("flex_preempts", why)
         return self
 
     def policy(self, tier: Tier) -> TierPolicy:

@@ -214,7 +214,7 @@ def build_openapi(routes: Sequence[Route]) -> dict[str, Any]:
     posts = {r.path: _post(r.summary, r.operation, r.title) for r in routes}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "LLM gateway", "version": "0.1.0"},
+        "info": {"title": "LLM gateway", "version": "0.2.0"},
         "paths": {**posts, **_models_paths(), **_ops_paths()},
         "components": {
             "schemas": schemas,

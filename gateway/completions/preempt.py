@@ -22,7 +22,6 @@ from gateway.runtime.state import GatewayState
 from routing.admission.admit import Admission, Admitted
 from routing.admission.plan import Candidate
 from routing.errors import Preempted, RoutingError
-from tiers.policy import Tier
 
 
 async def unless_preempted(
@@ -74,12 +73,14 @@ async def requeued(
     record's tokens, so the second admission holds a charge of none, trued up at its own
     release to what it used (the limits count what the usage records bill)."""
     left = time_left(parsed)
-    requeue = state.config.tiers.flex.on_preempt == "requeue" and (left is None or left > 0)
+    tier = admitted.candidate.tier  # (a preemptible tier's: flex)
+    policy = state.config.tiers.policy(tier)
+    requeue = policy.on_preempt == "requeue" and (left is None or left > 0)
     model = admitted.candidate.model
     state.metrics.preemptions.labels(model.name, "requeued" if requeue else "rejected").inc()
     if not requeue:
         return None
-    again = Candidate(model, index=admitted.candidate.index, may_wait=True, tier=Tier.FLEX)
+    again = Candidate(model, index=admitted.candidate.index, may_wait=True, tier=tier)
     account = parsed.account
     tokens = parsed.tokens()
     try:

@@ -146,6 +146,6 @@ def fairness(tiers: TiersConfig) -> dict[Tier, str]:
 
 
 def preempting(tiers: TiersConfig) -> set[Tier]:
-    """The tiers whose requests may take the slot of a flex request that has not started
-    (`tiers.<tier>.may_preempt`): never flex itself."""
-    return {t for t in Tier if t is not Tier.FLEX and tiers.policy(t).may_preempt}
+    """The tiers whose requests may take the slot of a preemptible tier's (flex) request
+    that has not started (`tiers.<tier>.may_preempt`): never a preemptible tier itself."""
+    return {t for t in Tier if not t.preemptible and tiers.policy(t).may_preempt}

@@ -117,7 +117,7 @@ class LocalShares:
                 holdings.held[lease.id] = lease
                 return cand, lease
             else:
-                busy = LimitReason.FLEX_NO_CAPACITY if tier is Tier.FLEX else LimitReason.MODEL_BUSY
+                busy = LimitReason(tier.busy_reason)
                 message = f"{model!r} has no free slot in this replica's share."
                 last = Limited(message, busy, retry_after_s=1)
             last.model = model

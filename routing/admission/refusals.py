@@ -22,11 +22,12 @@ def rejection(model: str, tier: Tier, result: Attempt, retry_after_s: int) -> Li
         message = f"The queue of {model!r} is full ({result.ahead} waiting)."
         return Limited(message, LimitReason.QUEUE_FULL, retry_after_s=retry_after_s)
     assert result.status == BUSY
-    if tier is Tier.FLEX:
-        message = f"No spare capacity on {model!r} for the flex tier."
-        return Limited(message, LimitReason.FLEX_NO_CAPACITY, retry_after_s=retry_after_s)
+    busy = LimitReason(tier.busy_reason)
+    if busy is not LimitReason.MODEL_BUSY:
+        message = f"No spare capacity on {model!r} for the {tier} tier."
+        return Limited(message, busy, retry_after_s=retry_after_s)
     message = f"{model!r} has no free slot ({result.inflight} in flight)."
-    return Limited(message, LimitReason.MODEL_BUSY, retry_after_s=retry_after_s)
+    return Limited(message, busy, retry_after_s=retry_after_s)
 
 
 def queue_timeout(model: str, timeout_s: float, retry_after_s: int) -> Limited:

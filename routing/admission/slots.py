@@ -120,7 +120,7 @@ class ModelSlots:
         # Each tier's part in preemption, as the scripts spell it (prelude `roles`):
         # 'p' may preempt, 'v' flex when some tier may preempt it, '-' neither.
         self._roles = "".join(
-            "p" if t in preempt else "v" if t is Tier.FLEX and preempt else "-" for t in BY_RANK
+            "p" if t in preempt else "v" if t.preemptible and preempt else "-" for t in BY_RANK
         )
         if configured is not None:
             self.configured = frozenset(configured)

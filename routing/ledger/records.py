@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.store.base import Store
-from routing.store.keys import DEDUPE_PREFIX, OLD_DEDUPE_PREFIX, USAGE_STREAM
+from routing.store.keys import DEDUPE_PREFIX, USAGE_STREAM
 from routing.store.scripts import TRANSACTION, Call, Scripts
 from routing.store.wire import text
 
@@ -28,9 +28,8 @@ DEFAULT_RETENTION_S = 35 * 86400.0
 # dedupe keys would otherwise cost a quarter of the stream's memory again).
 DEDUPE_MAX_S = 7 * 86400
 # Where identities are remembered: a set per second of the records' time (ts), which goes
-# when its identities may be forgotten; and the key of each identity, as older releases
-# wrote them (resends still look there).
-DEDUPE, OLD_DEDUPE = DEDUPE_PREFIX, OLD_DEDUPE_PREFIX
+# when its identities may be forgotten.
+DEDUPE = DEDUPE_PREFIX
 # Sets whose expiry this process set lately (a record's second is nearly always the newest).
 STAMPS_KEPT = 8
 
@@ -59,10 +58,9 @@ def record_call(fields: Mapping[str, str], retention_s: float) -> Call:
     """The script call appending `fields` unless they were appended before (a resend: the
     spool's, or the records a lost master took). Its identity is the request id, plus the
     admission attempt when known: callers may reuse an x-request-id, and two requests are
-    still two records. A record first sent by an older release left its own key
-    (`{usage}:rid:<identity>`), looked at too."""
+    still two records."""
     bucket, member, forget_at, flat = _record_parts(fields, retention_s)
-    return ("usage", [USAGE_STREAM, bucket, OLD_DEDUPE + member], [forget_at, member, *flat])
+    return ("usage", [USAGE_STREAM, bucket], [forget_at, member, *flat])
 
 
 class FirstSends:

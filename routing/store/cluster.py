@@ -1,7 +1,7 @@
 """The `Store` (routing/store/base.py) over a Redis Cluster: one client per master, each command
 sent to the master of its first key's hash slot.
 
-Every admission script touches one hash tag only (`gw:{model}:...`, `gw:acct:{<tag>}`,
+Every admission script touches one hash tag only (`gw:v2:{model}:...`, `gw:v2:acct:{<tag>}`,
 `{usage}`), so it runs whole on one node. A batch for one master goes to it as it is; one
 mixing tags of several masters is split, the parts leave at once (one round trip of
 latency) and the replies are put back in the batch's order. `SCRIPT` commands go to every

@@ -18,6 +18,14 @@ from __future__ import annotations
 import hashlib
 from typing import NamedTuple
 
+# The admission layout's version, in the name of every key it keeps (a model's, an
+# account's, the replicas'): a release that changes the layout (a key's name, type or what
+# it holds, a lease id's format, a script's arguments) moves to the next version, so
+# replicas of two layouts never read each other's state (docs/redis.md, "Rolling updates
+# and the key layout"). The API keys and the usage records are kept across layouts: their
+# names carry no version.
+LAYOUT = "gw:v2:"
+
 
 class Key(NamedTuple):
     name: str  # within its scope (a model's keys: after the model's tag)
@@ -25,7 +33,7 @@ class Key(NamedTuple):
     holds: str
 
 
-# A model's keys, after its tag `gw:{<model>}:`, in the order the scripts take them on a
+# A model's keys, after its tag `gw:v2:{<model>}:`, in the order the scripts take them on a
 # Cluster (KEYS[1] is always the leases; on one Redis a script is given only those, and
 # names the rest itself from this table).
 MODEL: tuple[Key, ...] = (
@@ -101,23 +109,24 @@ MODEL_MADE: tuple[Key, ...] = (
 # The model's pub/sub channel (a name, not a key): grants and preemptions, by waiter id.
 MODEL_CHANNEL = Key("wake", "channel", '"@<ms> <waiter> <endpoint>" grants, "!<lease>" preemptions')
 
-ACCOUNT = Key("gw:acct:{<tag>}", "ZSET", "an account's requests running or waiting: id -> expiry")
-RATES = Key("gw:rl:{<tag>}", "HASH", "the account's and its keys' GCRA buckets (rpm, tpm)")
-REPLICAS = Key("gw:replicas", "ZSET", "replica id -> when its heartbeat lapses")
-BEAT = Key("gw:beat:<replica>", "STRING", "the mark a replica's last heartbeat left")
+ACCOUNT = Key(
+    LAYOUT + "acct:{<tag>}", "ZSET", "an account's requests running or waiting: id -> expiry"
+)
+RATES = Key(LAYOUT + "rl:{<tag>}", "HASH", "the account's and its keys' GCRA buckets (rpm, tpm)")
+REPLICAS = Key(LAYOUT + "replicas", "ZSET", "replica id -> when its heartbeat lapses")
+BEAT = Key(LAYOUT + "beat:<replica>", "STRING", "the mark a replica's last heartbeat left")
 API_KEYS = Key("gw:keys", "HASH", "SHA-256 digest of an API key -> its record (`gateway keys`)")
 USAGE = Key("usage", "STREAM", "usage records, one per admitted request (billing)")
 DEDUPE = Key("{usage}:rids:<second>", "SET", "record identities of that second, against resends")
-OLD_DEDUPE = Key("{usage}:rid:<identity>", "STRING", "a record's identity as 0.1.0 wrote it")
 
 # Where each of those begins (the part before its first `<`).
-ACCOUNT_PREFIX, RATES_PREFIX = "gw:acct:{", "gw:rl:{"
-REPLICAS_KEY, BEAT_PREFIX, API_KEYS_HASH = REPLICAS.name, "gw:beat:", API_KEYS.name
-USAGE_STREAM, DEDUPE_PREFIX, OLD_DEDUPE_PREFIX = USAGE.name, "{usage}:rids:", "{usage}:rid:"
+ACCOUNT_PREFIX, RATES_PREFIX = LAYOUT + "acct:{", LAYOUT + "rl:{"
+REPLICAS_KEY, BEAT_PREFIX, API_KEYS_HASH = REPLICAS.name, LAYOUT + "beat:", API_KEYS.name
+USAGE_STREAM, DEDUPE_PREFIX = USAGE.name, "{usage}:rids:"
 
 
 def model_tag(model: str) -> str:
-    return "gw:{" + model + "}:"
+    return LAYOUT + "{" + model + "}:"
 
 
 def model_keys(model: str) -> list[str]:
@@ -166,16 +175,23 @@ def lua_declarations() -> str:
     return f"local {', '.join(names)}\nlocal ACCOUNT_PREFIX = '{ACCOUNT_PREFIX}'\n"
 
 
+def lua_tiers(ranks: int) -> str:
+    """The prelude's count of tiers and their waiters' fields in `ep_load` (at `-- @tiers`),
+    for `ranks` tiers."""
+    fields = ", ".join(f"'~w{rank}'" for rank in range(ranks))
+    return f"local RANKS = {ranks}\nlocal WAIT_FIELDS = {{{fields}}}\n"
+
+
 def markdown() -> str:
     """The table of every key, for docs/architecture.md."""
     rows = ["| key | type | holds |", "|---|---|---|"]
     for key in MODEL:
-        rows.append(f"| `gw:{{<model>}}:{key.name}` | {key.type} | {key.holds} |")
+        rows.append(f"| `{model_tag('<model>')}{key.name}` | {key.type} | {key.holds} |")
     for key in MODEL_MADE:
-        rows.append(f"| `gw:{{<model>}}:{key.name}` | {key.type} | {key.holds} |")
-    rows.append(f"| `gw:{{<model>}}:{MODEL_CHANNEL.name}` | {MODEL_CHANNEL.type} | "
-                f"{MODEL_CHANNEL.holds} |")  # fmt: skip
-    for key in (ACCOUNT, RATES, REPLICAS, BEAT, API_KEYS, USAGE, DEDUPE, OLD_DEDUPE):
+        rows.append(f"| `{model_tag('<model>')}{key.name}` | {key.type} | {key.holds} |")
+    channel = MODEL_CHANNEL
+    rows.append(f"| `{model_tag('<model>')}{channel.name}` | {channel.type} | {channel.holds} |")
+    for key in (ACCOUNT, RATES, REPLICAS, BEAT, API_KEYS, USAGE, DEDUPE):
         rows.append(f"| `{key.name}` | {key.type} | {key.holds} |")
     return "\n".join(rows) + "\n"
 

@@ -37,6 +37,7 @@ from routing.store.base import Store
 from routing.store.futures import chain
 from routing.store.resp import NotSent
 from routing.store.wire import Command, Transaction
+from tiers.policy import BY_RANK
 
 # One script call: (script name, KEYS, ARGV); a name that is not a script is sent as a plain
 # Redis command (e.g. ZREM) with KEYS and ARGV as its arguments; `TRANSACTION` with no KEYS
@@ -56,6 +57,8 @@ _PLAIN = ("account_keep", "heartbeat", "usage", "ratelimit", "ratelimit_settle")
 REST = "-- @rest\n"
 # Where the prelude takes its key names from the table (routing/store/keys.py).
 KEY_NAMES, KEYS = "-- @key-names\n", "    -- @keys\n"
+# Where it takes the number of tiers from the tier table (tiers/policy.py).
+TIERS = "-- @tiers\n"
 NEEDS = re.compile(r"^-- @needs (.*)$", re.M)
 FN = re.compile(r"^-- @fn (\w+)\n", re.M)
 # Redis 7 and later run a script that says so (`allow-oom`) at maxmemory too: then the free
@@ -94,6 +97,7 @@ class Prelude:
     def __init__(self, text: str) -> None:
         text = text.replace(KEY_NAMES, layout.lua_declarations())
         text = text.replace(KEYS, layout.lua_names())
+        text = text.replace(TIERS, layout.lua_tiers(len(BY_RANK)))
         core, self.rest = text.split(REST)
         parts = FN.split(core)
         self.names = parts[0]

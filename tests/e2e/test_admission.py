@@ -128,7 +128,7 @@ async def post(url: str, payload: dict[str, Any], key: str = KEY) -> httpx.Respo
 async def queued(redis_url: str, model: str) -> int:
     client = connect(redis_url, command_timeout_s=5.0)
     try:
-        return int(await client.zcard("gw:{" + model + "}:queue"))
+        return int(await client.zcard("gw:v2:{" + model + "}:queue"))
     finally:
         await client.aclose()
 

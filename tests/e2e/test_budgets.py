@@ -147,7 +147,7 @@ models:
         with httpx.Client(timeout=5) as http:
             shown = lambda: gateway_budget(http, gateway.url, model, sim.url) == expected  # noqa: E731
             wait_for(shown, "gateway_token_budget")
-        key = "gw:{" + model + "}:eps"
+        key = "gw:v2:{" + model + "}:eps"
         spec = lambda: (store.hget(key, sim.url) or b"").decode()  # noqa: E731
         wait_for(lambda: spec().endswith(f" {expected}"), "the budget in the index")
         # size, penalty, budget and whole budget (unadapted: the same here)
@@ -156,7 +156,7 @@ models:
         if gateway is not None:
             gateway.stop()
         sim.stop()
-        if keys := store.keys("gw:{" + model + "}:*"):
+        if keys := store.keys("gw:v2:{" + model + "}:*"):
             store.delete(*keys)
         store.close()
 
@@ -217,7 +217,7 @@ models:
         if gateway is not None:
             gateway.stop()
         sim.stop()
-        if keys := store.keys("gw:{" + model + "}:*"):
+        if keys := store.keys("gw:v2:{" + model + "}:*"):
             store.delete(*keys)
         store.close()
 
@@ -285,6 +285,6 @@ models:
         if gateway is not None:
             gateway.stop()
         sim.stop()
-        if keys := store.keys("gw:{" + model + "}:*"):
+        if keys := store.keys("gw:v2:{" + model + "}:*"):
             store.delete(*keys)
         store.close()

@@ -176,7 +176,7 @@ def leftovers(url: str) -> list[str]:
     """What admission still holds in Redis: leases, waiters, endpoint loads, account entries."""
     client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=2)
     try:
-        tag = "gw:{" + MODEL + "}:"
+        tag = "gw:v2:{" + MODEL + "}:"
         left = [
             f"{tag}{k}: {n}" for k in ("leases", "queue", "qexp") if (n := client.zcard(tag + k))
         ]
@@ -184,7 +184,7 @@ def leftovers(url: str) -> list[str]:
             left.append(f"{tag}ep_of: {n}")
         if load := endpoint_load(client.hgetall(tag + "ep_load")):
             left.append(f"{tag}ep_load sums to {load}")
-        for key in client.scan_iter(match="gw:acct:*"):
+        for key in client.scan_iter(match="gw:v2:acct:*"):
             if n := client.zcard(key):
                 left.append(f"{key}: {n}")
         return left

@@ -244,7 +244,7 @@ async def zcard(fleet: Fleet, key: str) -> int:
 
 async def queue_ids(fleet: Fleet, model: str) -> list[str]:
     async with redis_of(fleet) as client:
-        return [m.decode() for m in await client.zrange("gw:{" + model + "}:queue", 0, -1)]
+        return [m.decode() for m in await client.zrange("gw:v2:{" + model + "}:queue", 0, -1)]
 
 
 def worker_load(worker: procs.Proc) -> dict[str, float]:
@@ -288,7 +288,7 @@ async def leftovers(url: str, models: tuple[str, ...]) -> list[str]:
     client = connect(url, command_timeout_s=5.0)
     try:
         for model in models:
-            tag = "gw:{" + model + "}:"
+            tag = "gw:v2:{" + model + "}:"
             for key in ("leases", "queue", "qexp"):
                 if members := await client.zrange(tag + key, 0, -1):
                     found.append(f"{tag}{key}: {members}")
@@ -298,7 +298,7 @@ async def leftovers(url: str, models: tuple[str, ...]) -> list[str]:
                 found.append(f"{tag}ep_load: {await client.hgetall(tag + 'ep_load')}")
             if any(int(v) for v in (await client.hgetall(tag + "ep_tok")).values()):
                 found.append(f"{tag}ep_tok: {await client.hgetall(tag + 'ep_tok')}")
-        async for key in client.scan_iter(match="gw:acct:*"):
+        async for key in client.scan_iter(match="gw:v2:acct:*"):
             if members := await client.zrange(key, 0, -1):
                 found.append(f"{key!r}: {members}")
     finally:
@@ -359,7 +359,7 @@ async def _queued(fleet: Fleet, model: str, count: int) -> bool:
 
 async def _rebuilt(fleet: Fleet, order: list[str]) -> bool:
     return (
-        await zcard(fleet, "gw:{m}:leases") == 8
+        await zcard(fleet, "gw:v2:{m}:leases") == 8
         and await queue_ids(fleet, "m") == order
         and await zcard(fleet, account_key("faults-one")) == 1
     )

@@ -87,7 +87,7 @@ async def _ready(url: str) -> bool:
 
 async def _written_back(local: Local, count: int) -> bool:
     async with redis_of(local) as client:
-        return int(await client.zcard("gw:{l}:leases")) >= count
+        return int(await client.zcard("gw:v2:{l}:leases")) >= count
 
 
 async def test_local_leases_count_again_once_redis_is_back(local: Local) -> None:

@@ -113,7 +113,7 @@ def leftovers(parted: Parted) -> dict[str, int]:
     """What the partitions' keys still hold (leases, waiters)."""
     found: dict[str, int] = {}
     for part in partition_names("wide", K):
-        tag = "gw:{" + part + "}:"
+        tag = "gw:v2:{" + part + "}:"
         if parted.cluster is not None:
             node = parted.cluster.node_of("{" + part + "}")
             client = parted.cluster.client(node)

@@ -63,12 +63,12 @@ def window(worker: procs.Proc) -> dict[str, Any]:
 
 def leases() -> int:
     with redis.Redis.from_url(REDIS_URL) as client:
-        return int(client.zcard("gw:{pre}:leases"))
+        return int(client.zcard("gw:v2:{pre}:leases"))
 
 
 def leftovers() -> dict[str, int]:
     with redis.Redis.from_url(REDIS_URL) as client:
-        tag = "gw:{pre}:"
+        tag = "gw:v2:{pre}:"
         return {k: int(client.zcard(tag + k)) for k in ("leases", "queue", "doomed", "pre")}
 
 

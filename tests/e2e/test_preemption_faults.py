@@ -153,20 +153,20 @@ async def test_a_stream_begun_while_redis_was_down_is_never_cut_by_a_later_preem
 
 
 async def _pre(fleet: Fleet) -> bool:
-    return await zcard(fleet, "gw:{p}:pre") == 1
+    return await zcard(fleet, "gw:v2:{p}:pre") == 1
 
 
 async def _subscribed(fleet: Fleet) -> bool:
     client = aioredis.Redis.from_url(fleet.redis.url)
     try:
-        return dict(await client.pubsub_numsub("gw:{p}:wake")).get(b"gw:{p}:wake") == 2
+        return dict(await client.pubsub_numsub("gw:v2:{p}:wake")).get(b"gw:v2:{p}:wake") == 2
     finally:
         await client.aclose()
 
 
 async def _clean(fleet: Fleet) -> bool:
     left = await leftovers(fleet.redis.url, ("p",))
-    doomed = await zcard(fleet, "gw:{p}:doomed") + await zcard(fleet, "gw:{p}:pre")
+    doomed = await zcard(fleet, "gw:v2:{p}:doomed") + await zcard(fleet, "gw:v2:{p}:pre")
     return not left and not doomed
 
 

@@ -97,9 +97,9 @@ def test_the_documented_acl_is_all_the_gateway_needs(
         ("acl", 200, "complete")
     }
     with redis.Redis(port=server.port) as admin:
-        assert admin.zcard("gw:{m}:leases") == 0
-        assert admin.zcard("gw:{m}:queue") == 0
+        assert admin.zcard("gw:v2:{m}:leases") == 0
+        assert admin.zcard("gw:v2:{m}:queue") == 0
         # Fair share's account queues, index and held counts go with the last waiter.
-        assert admin.keys("gw:{m}:f[qi]:*") == [] and not admin.exists("gw:{m}:held")
+        assert admin.keys("gw:v2:{m}:f[qi]:*") == [] and not admin.exists("gw:v2:{m}:held")
         (stored,) = admin.hvals("gw:keys")
         assert json.loads(stored)["weight"] == 2

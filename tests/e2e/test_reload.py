@@ -146,7 +146,7 @@ def leases_left(model: str) -> tuple[int, int, int, int]:
     over its endpoints, and the account's entries."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        tag = "gw:{" + model + "}:"
+        tag = "gw:v2:{" + model + "}:"
         load = endpoint_load(client.hgetall(tag + "ep_load"))
         account = client.zcard(account_key("reload"))
         return client.zcard(tag + "leases"), client.hlen(tag + "ep_of"), load, account

@@ -137,7 +137,7 @@ async def test_an_account_limit_holds_while_its_replica_is_stopped(stopped: Stop
     stream runs at the worker and m counts it: A must refuse faults-one a second request
     all along, the last moment before the lease's end included."""
     a, b = stopped.replicas
-    lease_key, acct_key = "gw:{m}:leases", account_key("faults-one")
+    lease_key, acct_key = "gw:v2:{m}:leases", account_key("faults-one")
     async with held(b.url, "m", key=KEY_ONE, rid="stopped-one-stream"):
         seen: list[tuple[float | None, float | None]] = []
 
@@ -172,7 +172,7 @@ async def test_a_killed_replicas_account_entry_leaves_with_its_lease(stopped: St
     the TTL apart, so they outlive the leases). A's sweep that reclaims the dead lease takes
     the entry with it: once the lease is gone so is the entry, and A serves faults-one."""
     a, _ = stopped.replicas
-    lease_key, acct_key = "gw:{m}:leases", account_key("faults-one")
+    lease_key, acct_key = "gw:v2:{m}:leases", account_key("faults-one")
     doomed = procs.gateway(stopped.tmp, stopped.config)
     flowing = asyncio.Event()
 
@@ -224,7 +224,7 @@ async def test_a_stopped_replicas_waiter_never_runs_over_the_capacity(stopped: S
             flowing.set()
             await stop.wait()
 
-    queue = "gw:{q}:queue"
+    queue = "gw:v2:{q}:queue"
     client = aioredis.from_url(stopped.url)
     late = second_task = None
     try:
@@ -284,7 +284,7 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
     replica, m is full, the waiters keep their order and are served, nothing is left."""
     a, b = stopped.replicas
     client = aioredis.from_url(stopped.url)
-    queue = "gw:{m}:queue"
+    queue = "gw:v2:{m}:queue"
     waiters: list[asyncio.Task[Any]] = []
     try:
         async with AsyncExitStack() as streams:
@@ -298,7 +298,7 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
             seen: list[tuple[list[float], list[float]]] = []
 
             async def old() -> bool:  # a sweep kept the leases, not the accounts' entries
-                leases = await client.zrange("gw:{m}:leases", 0, -1, withscores=True)
+                leases = await client.zrange("gw:v2:{m}:leases", 0, -1, withscores=True)
                 acct = await client.zrange(account_key("faults-two"), 0, -1, withscores=True)
                 seen.append((sorted(s for _, s in leases), sorted(s for _, s in acct)))
                 return len(seen) > 1 and seen[-1][0] != seen[-2][0] and seen[-1][1] == seen[-2][1]
@@ -315,7 +315,7 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
                     early.append((await post(url, "free", key=key, fail_fast=True)).status_code)
                 counts = [await client.zcard(account_key(name)) for name, _ in ACCOUNTS]
                 return (
-                    await client.zcard("gw:{m}:leases") == 2
+                    await client.zcard("gw:v2:{m}:leases") == 2
                     and await client.zrange(queue, 0, -1) == order
                     and counts == [1, 2]
                 )
@@ -352,7 +352,7 @@ async def test_a_killed_replicas_waiters_of_several_accounts_leave_the_queue(
     runs two, and the accounts' entries of the dead go too."""
     a, b = stopped.replicas
     client = aioredis.from_url(stopped.url)
-    queue = "gw:{q}:queue"
+    queue = "gw:v2:{q}:queue"
     doomed = procs.gateway(stopped.tmp, stopped.config)
     dead: list[asyncio.Task[Any]] = []
     live: asyncio.Task[httpx.Response] | None = None

@@ -153,7 +153,7 @@ def saturated(run: Run) -> list[float]:
 
 def leftovers() -> dict[str, int]:
     with redis.Redis.from_url(REDIS_URL) as client:
-        tag = "gw:{kv}:"
+        tag = "gw:v2:{kv}:"
         found = {
             "leases": client.zcard(tag + "leases"),
             "queue": client.zcard(tag + "queue"),

@@ -133,7 +133,7 @@ RAW_BASE = {
 def leases_held(model: str) -> int:
     store = redis.Redis.from_url(conftest.REDIS_URL)  # read late: set when the run starts
     try:
-        return int(store.zcard(f"gw:{{{model}}}:leases"))
+        return int(store.zcard(f"gw:v2:{{{model}}}:leases"))
     finally:
         store.close()
 

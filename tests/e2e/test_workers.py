@@ -141,13 +141,13 @@ def left_in_redis(store: RedisServer) -> list[str]:
     """What admission still holds: leases, waiters, endpoint loads, account entries."""
     found: list[str] = []
     with redis.Redis.from_url(store.url) as client:
-        tag = "gw:{m}:"
+        tag = "gw:v2:{m}:"
         found += [f"{tag}{k}" for k in ("leases", "queue", "qexp") if client.zcard(tag + k)]
         if client.hlen(tag + "ep_of"):
             found.append(f"{tag}ep_of")
         if endpoint_load(client.hgetall(tag + "ep_load")):
             found.append(f"{tag}ep_load")
-        found += [k.decode() for k in client.scan_iter(match="gw:acct:*") if client.zcard(k)]
+        found += [k.decode() for k in client.scan_iter(match="gw:v2:acct:*") if client.zcard(k)]
     return found
 
 

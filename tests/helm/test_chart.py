@@ -222,6 +222,18 @@ def test_in_chart_redis(rendered: dict[str, list[Manifest]]) -> None:
     assert url == f"redis://{redis_service['metadata']['name']}.{NAMESPACE}.svc:6379/0"
 
 
+def test_an_upgrade_across_key_layouts_may_recreate_the_replicas(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    """RollingUpdate by default; Recreate on asking (replicas of two Redis key layouts
+    share no counts: docs/redis.md)."""
+    default = one(rendered["default"], "Deployment")["spec"]["strategy"]
+    assert default["type"] == "RollingUpdate" and default["rollingUpdate"]["maxUnavailable"] == 0
+    docs = render("--set", "updateStrategy=Recreate")
+    assert one(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert template("--set", "updateStrategy=Sometimes").returncode != 0
+
+
 def test_in_chart_redis_maxmemory_from_values() -> None:
     docs = render("-f", str(VALUES_DIR / "redis.yaml"), "--set", "redis.maxmemory=1gb")
     (redis,) = one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]
@@ -404,7 +416,7 @@ def test_mounts_and_command(rendered: dict[str, list[Manifest]]) -> None:
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     container = gateway_container(docs)
     assert container["args"] == ["serve", "--config", "/etc/gateway/gateway.yaml"]
-    assert container["image"] == "llm-gateway:0.1.0"  # the tag defaults to appVersion
+    assert container["image"] == "llm-gateway:0.2.0"  # the tag defaults to appVersion
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     # The config directory, never a subPath: ConfigMap updates must reach the running gateway.

@@ -78,7 +78,7 @@ def usage_record(redis_url: str, rid: str) -> dict[str, str] | None:
 
 def held(redis_url: str, model: str) -> int:
     """Leases the model's requests hold in Redis, and the endpoints' counts of them."""
-    tag = "gw:{" + model + "}:"
+    tag = "gw:v2:{" + model + "}:"
     client = redis.Redis.from_url(redis_url)
     try:
         loads: Mapping[bytes, bytes] = client.hgetall(tag + "ep_load")

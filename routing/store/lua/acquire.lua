@@ -39,7 +39,7 @@ local requeued = nil
 requeued = redis.call('ZREM', QEXP, id)  -- @oom-guard
 -- The state marker, `~f`, the index's version and the waiters per tier (prelude: `ep_load`),
 -- in one call.
-local loads = redis.call('HMGET', EP_LOAD, '~s', '~f', '~v', '~w0', '~w1', '~w2')
+local loads = redis.call('HMGET', EP_LOAD, '~s', '~f', '~v', unpack(WAIT_FIELDS))
 if not loads[3] then return {-3, '', 0, 0, 0, 0, 0} end
 -- On one Redis a walk's first try takes the account's own slot here too: ACCOUNT is its
 -- key, the last argument its limit (on a Cluster, account.lua does it in the same round
@@ -65,7 +65,7 @@ local rank = tonumber(ARGV[3])
 local t, claim, ceilings, fair, fracs = spec_of(ARGV[8 + k], 9)
 local may_wait, max_queue, waiter_ttl, known, rebuild_ms = t[1], t[2], t[3], t[4], t[5]
 local max_turn, at_head, may_preempt = tonumber(t[6]), t[7] == '1', t[8] == '1'  -- ('-': nil)
-if #ceilings == 3 then set_waits({loads[4], loads[5], loads[6]}) end
+if #ceilings == RANKS then set_waits({unpack(loads, 4, 3 + RANKS)}) end
 steady(loads[1])
 counted = loads[2] ~= false and loads[2] % 2 == 1  -- (prelude: `counting`)
 -- An id queued before (an acquire sent again) leaves its old place first where the guard

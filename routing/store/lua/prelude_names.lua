@@ -33,7 +33,9 @@ local RANK = 1e15
 -- lease on it written, whose reclaim failed every script of this release that ran it).
 -- (A literal: a library's load may not call `string`.)
 local WIDE = '~----------------------------------------------------------------'
-local RANKS = 3  -- tiers (tiers/policy.py), for callers without the spec
+-- RANKS: how many tiers (tiers/policy.py, for callers without the spec) and WAIT_FIELDS
+-- their waiters' counts in `ep_load` (`~w<rank>`), written here from the tier table.
+-- @tiers
 -- Everything below is per call, set by `bind` before a script's own code runs: the keys'
 -- names, and what a call reads once (a call runs at one instant). The scripts run as one
 -- library of Redis Functions where Redis has them (loaded once: routing/store/scripts.py),
