@@ -5,7 +5,7 @@ from Redis itself. (More scenes of this kind were run when this was built and he
 left out of the suite for its time: a replica stopped 2.5, 5.5 and 9 s with waiters, stopped
 twice under traffic, killed -9 (tests/e2e/test_stopped_replica.py has its own), Redis shut
 down and back under two replicas' waiters, a grant while the subscription backs off
-(tests/routing/test_keeper_naming.py has its unit test).)
+(tests/routing/admission/test_keeper_naming.py has its unit test).)
 """
 
 from __future__ import annotations
