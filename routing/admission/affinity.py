@@ -7,7 +7,7 @@ endpoint that leaves rotation move, and finding them costs one hash and a binary
 (O(log n) in the endpoints). A change of the set (health) makes the new ring from the old
 one (`changed`), O(n) list work; each URL's points are hashed once per process.
 Bounded load comes from admission, which takes the first of them that still has room, else
-the least loaded endpoint (routing/store/lua/prelude_*.lua `pick`).
+the least loaded endpoint (prelude_seats.lua `seat`, `take_any`).
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class ModelSlots:
         self._spec = dict(specs)
         # Whether any endpoint holds a token budget: requests then carry a reservation.
         self.budgeted = any(budget for _, (_, _, budget, _) in specs)
-        # A tier's ceiling at the endpoints' sum is theirs: `pick` holds each endpoint to its
+        # A tier's ceiling at the endpoints' sum is theirs: `seat` holds each endpoint to its
         # size, so the scripts leave it unchecked (one call less per acquire).
         self._ceilings = [len(BY_RANK), *(self._ceiling(u) for u in self._utilization)]
         # What every pumping script needs to hand slots on, in one argument the scripts read
@@ -215,7 +215,7 @@ class ModelSlots:
 
     def _ceiling(self, utilization: float) -> float | str:
         """A tier's ceiling; `UNBOUND` when it is the endpoints' sum and every endpoint of
-        the model is in rotation. Then no lease can run where `pick` does not hold each
+        the model is in rotation. Then no lease can run where `seat` does not hold each
         endpoint to its size. While an endpoint is out, its leases still count: the
         requests moved off it (`move`) need the room."""
         ceiling = self.capacity * utilization

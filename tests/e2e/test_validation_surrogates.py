@@ -47,7 +47,7 @@ SURROGATES: list[tuple[str, bytes, str]] = [
 def leases_held() -> int:
     store = redis.Redis.from_url(conftest.REDIS_URL)
     try:
-        return sum(int(store.zcard(f"gw:{{{m}}}:leases")) for m in ("m1", "m2"))
+        return sum(int(store.zcard(f"gw:v2:{{{m}}}:leases")) for m in ("m1", "m2"))
     finally:
         store.close()
 

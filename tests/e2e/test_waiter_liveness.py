@@ -41,7 +41,7 @@ from tests.e2e.test_stopped_replica import (
 )
 from tests.redis_server import RedisServer
 
-QUEUE = "gw:{q}:queue"
+QUEUE = "gw:v2:{q}:queue"
 
 
 @dataclass

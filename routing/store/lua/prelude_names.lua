@@ -16,7 +16,7 @@
 -- the endpoints (n), queue (w) and waiting accounts (a): docs/architecture.md.
 -- The state marker's value when no rebuild window can be open: the common case's test.
 local STEADY = '0'
--- A tier's ceiling at the sum of the endpoints' sizes, which `pick` holds each endpoint to:
+-- A tier's ceiling at the sum of the endpoints' sizes, which `seat` holds each endpoint to:
 -- not checked (routing/slots.py `UNBOUND`).
 local UNBOUND = '-'
 local RANK = 1e15
@@ -44,8 +44,8 @@ local WIDE = '~----------------------------------------------------------------'
 -- routing/store/keys.py `MODEL` (written here from that table), and ACCOUNT_PREFIX.
 -- @key-names
 local ACCOUNT, ENTRIES
--- `full`: `free` was found empty and nothing was added since (`pick`, `rescore`): a later
--- pick in the same call answers without a call (a full model's acquire picks twice).
+-- `full`: `free` was found empty and nothing was added since (`take_any`, `rescore`): a later
+-- choice in the same call answers without a call (a full model's acquire picks twice).
 -- `clock`: Redis's TIME. `waits`: the waiters per tier (prelude's rest: `waiting_counts`).
 -- `leases_n`: the model's leases (`inflight`). `touched`: `rescore`'s tie-break.
 -- `rebuild_open`: whether a rebuild window is open (`rebuilding`). `ranks`: how many tiers,

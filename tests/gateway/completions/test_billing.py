@@ -57,7 +57,7 @@ def admitted(
 ) -> Admitted:
     found = REGISTRY.get(model)
     assert found is not None
-    lease = Lease("lease-1", model, "http://big-a:8000", "gw:acct:{t-acme}", queued_ms)
+    lease = Lease("lease-1", model, "http://big-a:8000", "gw:v2:acct:{t-acme}", queued_ms)
     return Admitted(lease, Candidate(found, index, False), tier)
 
 

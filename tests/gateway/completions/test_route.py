@@ -58,7 +58,7 @@ async def records(app: Any, rid: str) -> list[dict[str, str]]:
 
 async def leases_left(app: Any) -> int:
     assert not app.state.admission.held
-    return sum([await app.state.redis.zcard(f"gw:{{{m}}}:leases") for m in ("m1", "m2")])
+    return sum([await app.state.redis.zcard(f"gw:v2:{{{m}}}:leases") for m in ("m1", "m2")])
 
 
 def requests_counted(app: Any, model: str, tier: str, code: str) -> float:

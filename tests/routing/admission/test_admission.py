@@ -196,20 +196,20 @@ class Fleet:
 
     # Redis as it is, read directly.
     async def leases(self, model: str) -> int:
-        return int(await self.redis.zcard("gw:{" + model + "}:leases"))
+        return int(await self.redis.zcard("gw:v2:{" + model + "}:leases"))
 
     async def member(self, model: str, lease_id: str) -> str | None:
         """`lease_id`'s member in the model's leases ("id url"), None if it holds none."""
-        for m in map(text, await self.redis.zrange("gw:{" + model + "}:leases", 0, -1)):
+        for m in map(text, await self.redis.zrange("gw:v2:{" + model + "}:leases", 0, -1)):
             if m.split(" ")[0] == lease_id:
                 return m
         return None
 
     async def queued(self, model: str) -> int:
-        return int(await self.redis.zcard("gw:{" + model + "}:queue"))
+        return int(await self.redis.zcard("gw:v2:{" + model + "}:queue"))
 
     async def load(self, model: str) -> int:
-        return endpoint_load(await self.redis.hgetall("gw:{" + model + "}:ep_load"))
+        return endpoint_load(await self.redis.hgetall("gw:v2:{" + model + "}:ep_load"))
 
     async def account(self, account: str = "t-acme") -> int:
         return int(await self.redis.zcard(account_key(account)))
@@ -218,14 +218,14 @@ class Fleet:
         """No lease, no waiter, no per-endpoint load and no account entry left anywhere."""
         parts = (p for m in self.registry for p in partition_names(m.name, m.config.partitions))
         for model in parts:
-            tag = "gw:{" + model + "}:"
+            tag = "gw:v2:{" + model + "}:"
             assert await self.redis.zcard(tag + "leases") == 0, model
             assert await self.redis.zcard(tag + "queue") == 0, model
             assert await self.redis.zcard(tag + "qexp") == 0, model
             assert await self.redis.hlen(tag + "ep_of") == 0, model
             assert await self.load(model) == 0, model
         prefixes = tuple(r + "-" for r in self.replica_ids)
-        async for key in self.redis.scan_iter(match="gw:acct:*"):
+        async for key in self.redis.scan_iter(match="gw:v2:acct:*"):
             mine = [
                 m for m in map(text, await self.redis.zrange(key, 0, -1)) if m.startswith(prefixes)
             ]
@@ -558,14 +558,14 @@ async def test_keeper_sweep_keeps_held_leases_alive_and_reports_state(fleet: Fle
     seconds, micros = await fleet.redis.time()
     soon = seconds * 1000 + micros // 1000 + 2000  # about to expire, not yet expired
     member = f"{lease.id} {lease.endpoint}"
-    await fleet.redis.zadd("gw:{two}:leases", {member: soon}, xx=True)
+    await fleet.redis.zadd("gw:v2:{two}:leases", {member: soon}, xx=True)
     await fleet.redis.zadd(account_key("t-acme"), {lease.id: soon}, xx=True)
     await bounded(keeper.sweep_once())
-    assert (await fleet.redis.zscore("gw:{two}:leases", member) or 0) > soon
+    assert (await fleet.redis.zscore("gw:v2:{two}:leases", member) or 0) > soon
     assert (await fleet.redis.zscore(account_key("t-acme"), lease.id) or 0) > soon
     assert keeper.states["two"].inflight == 1
     assert keeper.states["two"].queued == {Tier.PRIORITY: 0, Tier.DEFAULT: 0, Tier.FLEX: 0}
-    assert await fleet.redis.zscore("gw:replicas", adm.replica_id) is not None
+    assert await fleet.redis.zscore("gw:v2:replicas", adm.replica_id) is not None
     assert adm.local.replicas >= 1
     await bounded(adm.release(lease))
     await bounded(keeper.sweep_once())
@@ -607,13 +607,17 @@ async def test_the_lease_of_a_replica_gone_is_reclaimed_by_another(fleet: Fleet)
     await bounded(queued.get())
     seconds, micros = await fleet.redis.time()
     past = seconds * 1000 + micros // 1000 - 1000
-    await fleet.redis.zadd("gw:{two}:leases", {f"{held[0].id} {held[0].endpoint}": past}, xx=True)
+    await fleet.redis.zadd(
+        "gw:v2:{two}:leases", {f"{held[0].id} {held[0].endpoint}": past}, xx=True
+    )
     await bounded(keeper.sweep_once())
     admitted = await bounded(waiter)
     assert admitted.lease.endpoint == held[0].endpoint
     assert await fleet.leases("two") == 2
     await release_all(alive, [admitted.lease])
-    await fleet.redis.zadd("gw:{two}:leases", {f"{held[1].id} {held[1].endpoint}": past}, xx=True)
+    await fleet.redis.zadd(
+        "gw:v2:{two}:leases", {f"{held[1].id} {held[1].endpoint}": past}, xx=True
+    )
     await fleet.redis.zadd(account_key("t-acme"), {h.id: past for h in held}, xx=True)
     await bounded(keeper.sweep_once())
     assert await fleet.leases("two") == 0
@@ -1002,14 +1006,14 @@ async def test_a_script_flush_does_not_count_a_request_twice(fleet: Fleet) -> No
 @ON_CLUSTER_TOO
 async def test_an_error_reply_gives_back_what_the_other_call_took(fleet: Fleet) -> None:
     adm = await fleet.admission()
-    await fleet.redis.set("gw:{two}:leases", "not a zset")  # the acquire will fail
+    await fleet.redis.set("gw:v2:{two}:leases", "not a zset")  # the acquire will fail
     try:
         with pytest.raises(Unavailable):
             await admit(adm, fleet.plan("two"))
         await bounded(adm.drain())
         assert await fleet.account() == 0  # the account call had taken an entry: given back
     finally:
-        await fleet.redis.delete("gw:{two}:leases")
+        await fleet.redis.delete("gw:v2:{two}:leases")
     await fleet.assert_clean()
 
 
@@ -1117,7 +1121,7 @@ async def test_a_wait_for_the_rebuild_window_comes_out_of_the_queue_timeout(
         await bounded(keeper.sweep_once())  # the replica now knows the model's state
         await real_redis.flushdb()
         await bounded(keeper.sweep_once())  # writes back its two leases, opens the window
-        assert await real_redis.pexpire("gw:{two}:rebuild", 300)  # shorter, for the test
+        assert await real_redis.pexpire("gw:v2:{two}:rebuild", 300)  # shorter, for the test
         waits: list[tuple[float, float]] = []
         wait = adm.waiting.wait
 
@@ -1153,10 +1157,10 @@ async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuil
         await bounded(keeper.sweep_once())  # the replica now knows the model's state
         await real_redis.flushdb()
         await expect_limited(admit(adm, fleet.plan("two", fail_fast=True)), "model_busy")
-        assert await real_redis.pttl("gw:{two}:rebuild") > 0
+        assert await real_redis.pttl("gw:v2:{two}:rebuild") > 0
         waiting = asyncio.create_task(adm.admit(fleet.plan("two"), "t-acme", 1))
         lease = (await bounded(waiting)).lease  # served once the window is over
-        assert not await real_redis.exists("gw:{two}:rebuild")
+        assert not await real_redis.exists("gw:v2:{two}:rebuild")
         assert await fleet.account() == 1
         await bounded(adm.release(lease))
         await fleet.assert_clean()
@@ -1212,7 +1216,7 @@ async def stopped_grant(fleet: Fleet) -> StoppedGrant:
     assert member is not None
     seconds, micros = await fleet.redis.time()
     past = seconds * 1000 + micros // 1000 - 1000
-    await fleet.redis.zadd("gw:{two}:leases", {member: past}, xx=True)  # its claim time over
+    await fleet.redis.zadd("gw:v2:{two}:leases", {member: past}, xx=True)  # its claim time over
     await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
     other = await admit(holder, fleet.plan("two"))
     assert other.lease.endpoint == held[0].endpoint

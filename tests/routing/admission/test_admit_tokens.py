@@ -59,7 +59,7 @@ def plan(adm: Admission, *models: str) -> list[Candidate]:
 
 
 async def reserved(real_redis: aioredis.Redis, model: str) -> dict[str, int]:
-    raw = await real_redis.hgetall("gw:{" + model + "}:ep_tok")
+    raw = await real_redis.hgetall("gw:v2:{" + model + "}:ep_tok")
     return {text(k): int(v) for k, v in raw.items() if int(v)}
 
 
@@ -87,7 +87,7 @@ async def test_a_request_no_endpoint_could_hold_is_refused_without_queueing(
         )
     assert (refused.value.needed, refused.value.budget) == (2050, 2000)
     assert "2000 tokens" in refused.value.message
-    assert not await real_redis.exists("gw:{small}:queue", "gw:{small}:leases")
+    assert not await real_redis.exists("gw:v2:{small}:queue", "gw:v2:{small}:leases")
     assert await real_redis.zcard(account_key("acme")) == 0  # the account's entry went back
 
 

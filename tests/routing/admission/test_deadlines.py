@@ -60,7 +60,7 @@ async def admit(adm: Admission, name: str, deadline_s: float | None = None) -> A
 
 
 async def queued(real_redis: aioredis.Redis) -> int:
-    return int(await real_redis.zcard("gw:{dl}:queue"))
+    return int(await real_redis.zcard("gw:v2:{dl}:queue"))
 
 
 async def until_queued(real_redis: aioredis.Redis, n: int) -> None:

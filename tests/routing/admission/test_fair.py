@@ -54,8 +54,8 @@ async def queue_up(m: Model, account: str, n: int, weight: float = 1.0, at: int 
 
 async def fair_keys(m: Model) -> list[str]:
     """The fair-share keys left in Redis (account queues, indexes, held counts)."""
-    found = [text(k) for k in await m.client.keys("gw:{m}:f[qi]:*")]
-    if await m.client.exists("gw:{m}:held"):
+    found = [text(k) for k in await m.client.keys("gw:v2:{m}:f[qi]:*")]
+    if await m.client.exists("gw:v2:{m}:held"):
         found.append("held")
     return sorted(found)
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("script_modes")
 
 UTIL = {Tier.PRIORITY: 1.0, Tier.DEFAULT: 1.0, Tier.FLEX: 1.0}
 MODES = ["accounts", "tokens", "fifo"]
-TAG = "gw:{m}:"
+TAG = "gw:v2:{m}:"
 
 
 def parse(lease: str) -> tuple[str, float, int]:

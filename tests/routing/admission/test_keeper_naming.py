@@ -215,7 +215,7 @@ async def lose(
         await redis.flushdb()
         await bounded(other.sweep_once())
     else:
-        await redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)
+        await redis.zadd("gw:v2:{two}:alive", {waiting.replica_id: 1}, xx=True)
         await bounded(other.sweep_once())
         assert await fleet.queued("two") == 0  # taken out as a dead replica's
 
@@ -243,9 +243,9 @@ async def test_waiters_redis_lost_are_queued_again_in_the_same_round(
     await bounded(keeper.sweep_once())
     assert waiter_id in named.rounds[-1]  # named in the same round (a second call)
     assert await fleet.queued("two") == 2
-    first = "gw:{two}:queue"
+    first = "gw:v2:{two}:queue"
     assert [text(m) for m in await real_redis.zrange(first, 0, 0)] == [waiter_id]
-    await real_redis.delete("gw:{two}:rebuild")  # the rebuild window over
+    await real_redis.delete("gw:v2:{two}:rebuild")  # the rebuild window over
     await bounded(holder.release(held[0]))
     admitted: Admitted = await bounded(task)
     assert admitted.lease.id == waiter_id

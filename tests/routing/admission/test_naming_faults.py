@@ -65,7 +65,7 @@ async def test_waiters_lost_go_back_though_another_call_of_the_round_failed(
         await keeper.sweep_once()  # Redis said: name them; another call failed
     assert keeper._rounds % 5 != 0
     await bounded(keeper.sweep_once())  # the next round (not one that names anyway)
-    first = [text(m) for m in await real_redis.zrange("gw:{two}:queue", 0, 0)]
+    first = [text(m) for m in await real_redis.zrange("gw:v2:{two}:queue", 0, 0)]
     in_queue = first == [waiter_id]
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -85,7 +85,7 @@ async def test_naming_at_once_keeps_the_round_owed_to_a_new_subscription(
     not_naming(keeper)
     keeper.wakeups.gaps += 1  # the subscription started again
     await bounded(keeper.sweep_once())  # names; one round more is owed
-    await real_redis.zadd("gw:{two}:alive", {scene.waiting.replica_id: 1}, xx=True)
+    await real_redis.zadd("gw:v2:{two}:alive", {scene.waiting.replica_id: 1}, xx=True)
     await bounded(keeper._name_now(["two"]))  # as a round told so would
     await bounded(keeper.sweep_once())
     owed = scene.waiter_id in scene.named.rounds[-1]
@@ -137,7 +137,7 @@ async def test_a_failover_that_lost_the_last_writes_has_the_new_waiter_queued_ag
 
 
 async def queue_of(client: aioredis.Redis) -> list[str]:
-    return [text(m) for m in await client.zrange("gw:{two}:queue", 0, -1)]
+    return [text(m) for m in await client.zrange("gw:v2:{two}:queue", 0, -1)]
 
 
 async def test_a_loss_found_by_a_round_that_names_a_new_waiter_names_the_older_ones_too(
@@ -151,7 +151,7 @@ async def test_a_loss_found_by_a_round_that_names_a_new_waiter_names_the_older_o
     waiting, keeper, named, older = scene.waiting, scene.keeper, scene.named, scene.waiter_id
     other = await fleet.keeper(scene.holder)
     not_naming(keeper)
-    await real_redis.zadd("gw:{two}:alive", {waiting.replica_id: 1}, xx=True)  # away
+    await real_redis.zadd("gw:v2:{two}:alive", {waiting.replica_id: 1}, xx=True)  # away
     await bounded(other.sweep_once())  # takes its waiter out as a dead replica's
     assert await queue_of(real_redis) == []
     later, newer = await queued_waiter(fleet, waiting, named)  # back: a new waiter first

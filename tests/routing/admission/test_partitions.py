@@ -144,7 +144,7 @@ async def wide(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> As
 
 
 async def in_parts(fleet: Fleet, key: str) -> dict[str, int]:
-    return {p: int(await fleet.redis.zcard("gw:{" + p + "}:" + key)) for p in PARTS}
+    return {p: int(await fleet.redis.zcard("gw:v2:{" + p + "}:" + key)) for p in PARTS}
 
 
 async def test_requests_spill_over_every_partition_before_any_queues(wide: Fleet) -> None:
@@ -262,7 +262,7 @@ async def test_a_reload_to_fewer_partitions_drains_the_old_ones(wide: Fleet) -> 
     assert {lease.keys for lease in after} <= set(now)
     await release_all(adm, before + after)
     for part in {*PARTS, *now}:
-        assert await wide.redis.zcard("gw:{" + part + "}:leases") == 0, part
+        assert await wide.redis.zcard("gw:v2:{" + part + "}:leases") == 0, part
     await wide.assert_clean()
 
 

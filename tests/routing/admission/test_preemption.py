@@ -150,7 +150,7 @@ async def test_a_request_that_began_where_redis_was_down_is_never_cut_by_a_late_
     slots = preemptible()
     handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
     preemptions = Preemptions(handback)  # type: ignore[arg-type]
-    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    lease = Lease(lid("f"), "m", A, "gw:v2:acct:{acme}", 0.0)
     told = preemptions.watch(lease.id)
     assert await preemptions.started(lease)
     preemptions.told(lease.id)  # chosen after it began
@@ -168,7 +168,7 @@ async def test_a_request_that_ends_before_its_first_byte_is_no_longer_offered() 
     slots = preemptible()
     handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
     preemptions = Preemptions(handback)  # type: ignore[arg-type]
-    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    lease = Lease(lid("f"), "m", A, "gw:v2:acct:{acme}", 0.0)
     preemptions.watch(lease.id)
     assert preemptions.done(lease, preempted=False) == [
         ("ZREM", [slots.pre_key], [f"{lease.id} {A}"]),
@@ -187,7 +187,7 @@ async def test_a_request_that_began_unheard_is_no_longer_offered_once_redis_hear
     assert (await m.acquire(flex, Tier.FLEX)).status == GRANTED
     handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": m.slots})
     preemptions = Preemptions(handback)  # type: ignore[arg-type]
-    lease = Lease(flex, "m", A, "gw:acct:{acme}", 0.0)
+    lease = Lease(flex, "m", A, "gw:v2:acct:{acme}", 0.0)
     preemptions.watch(lease.id)
     assert await preemptions.started(lease)
     ids, calls = preemptions.unheard()
@@ -212,7 +212,7 @@ async def test_a_request_chosen_before_redis_heard_it_began_is_still_not_cut(
     assert (await m.acquire(flex, Tier.FLEX)).status == GRANTED
     handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": m.slots})
     preemptions = Preemptions(handback)  # type: ignore[arg-type]
-    lease = Lease(flex, "m", A, "gw:acct:{acme}", 0.0)
+    lease = Lease(flex, "m", A, "gw:v2:acct:{acme}", 0.0)
     told = preemptions.watch(lease.id)
     assert await preemptions.started(lease)
     assert (await m.acquire(lid("vip"), Tier.PRIORITY, may_wait=True)).preempted is True
@@ -229,7 +229,7 @@ async def test_a_release_before_redis_heard_the_start_takes_the_lease_off_pre() 
     slots = preemptible()
     handback = SimpleNamespace(scripts=_Down(), store=None, slots={"m": slots})
     preemptions = Preemptions(handback)  # type: ignore[arg-type]
-    lease = Lease(lid("f"), "m", A, "gw:acct:{acme}", 0.0)
+    lease = Lease(lid("f"), "m", A, "gw:v2:acct:{acme}", 0.0)
     preemptions.watch(lease.id)
     assert await preemptions.started(lease)
     assert preemptions.done(lease, preempted=False) == [

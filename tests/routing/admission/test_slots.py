@@ -761,6 +761,7 @@ async def test_the_scripts_take_any_number_of_tiers(
 
     class Bulk:  # a stand-in for a fourth Tier member: what the scripts see of a tier
         rank = 3
+        preemptible = False
 
     bulk: Any = Bulk()
     monkeypatch.setattr(slots_module, "BY_RANK", (*BY_RANK, bulk))
@@ -901,7 +902,7 @@ async def test_a_sweep_looks_for_its_pending_ids_within_a_bound(real_redis: aior
     held = await m.acquire("p-1")
     assert held.endpoint in urls
     assert (await m.sweep(pending=["p-1", "p-none"])).mine == 1
-    fields = await real_redis.hkeys("gw:{m}:ep_load")
+    fields = await real_redis.hkeys("gw:v2:{m}:ep_load")
     counted = sum(1 for f in fields if not text(f).startswith("~"))  # the endpoints looked at
     assert counted >= 1
     at_bound = 5000 // counted
@@ -909,4 +910,4 @@ async def test_a_sweep_looks_for_its_pending_ids_within_a_bound(real_redis: aior
     assert (await m.sweep(pending=many)).mine == 1
     assert (await m.sweep(pending=[*many, "p-over"])).mine == 0  # past it: not looked for
     assert await m.release("p-1") == 0
-    assert await real_redis.zcard("gw:{m}:leases") == 0
+    assert await real_redis.zcard("gw:v2:{m}:leases") == 0

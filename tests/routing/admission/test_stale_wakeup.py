@@ -56,7 +56,7 @@ async def test_a_stale_timed_wake_up_read_after_a_sweep_found_its_waiter_queued_
     assert member is not None
     seconds, micros = await real_redis.time()
     past = seconds * 1000 + micros // 1000 - 1000
-    await real_redis.zadd("gw:{two}:leases", {member: past}, xx=True)  # its claim time over
+    await real_redis.zadd("gw:v2:{two}:leases", {member: past}, xx=True)  # its claim time over
     await bounded(sweeper.sweep_once())  # reclaimed by the other replica's sweep
     other = await admit(holder, fleet.plan("two"))
     assert other.lease.endpoint == held[0].endpoint
@@ -74,7 +74,7 @@ async def test_a_stale_timed_wake_up_read_after_a_sweep_found_its_waiter_queued_
     )
     assert max(running.values()) <= 1, running
     assert not task.done()  # it waits on, at its place
-    await real_redis.delete("gw:{two}:rebuild")  # the window its queueing again opened, over
+    await real_redis.delete("gw:v2:{two}:rebuild")  # the window its queueing again opened, over
     await bounded(holder.release(other.lease))  # its next grant, found by a sweep
     keeper.naming._next = 1
     await bounded(keeper.sweep_once())

@@ -91,7 +91,7 @@ async def test_a_waiter_timing_out_in_a_stall_is_answered_in_time(
         await asyncio.wait_for(keeper.sweep_once(), 5)
     client = aioredis.Redis.from_url(server.url)
     try:
-        assert await client.zcard("gw:{m}:queue") == 0
-        assert await client.zcard("gw:{m}:leases") == 0
+        assert await client.zcard("gw:v2:{m}:queue") == 0
+        assert await client.zcard("gw:v2:{m}:leases") == 0
     finally:
         await client.aclose()

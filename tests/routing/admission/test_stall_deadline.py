@@ -83,7 +83,7 @@ async def test_a_waiter_whose_deadline_passes_in_a_stall_leaves_for_its_deadline
         await asyncio.wait_for(keeper.sweep_once(), 5)
     client = aioredis.Redis.from_url(server.url)
     try:
-        assert await client.zcard("gw:{m}:queue") == 0
-        assert await client.zcard("gw:{m}:leases") == 0
+        assert await client.zcard("gw:v2:{m}:queue") == 0
+        assert await client.zcard("gw:v2:{m}:leases") == 0
     finally:
         await client.aclose()

@@ -56,7 +56,7 @@ async def test_a_stalled_redis_breaks_the_subscription_within_the_probes_limit(
     client = aioredis.Redis.from_url(private_redis.url, socket_timeout=None)
     wakeups = Wakeups(Woken(), None)  # type: ignore[arg-type]
     try:
-        listening = asyncio.create_task(wakeups.listen(client, ["gw:{m}:wake"]))
+        listening = asyncio.create_task(wakeups.listen(client, ["gw:v2:{m}:wake"]))
         for _ in range(200):  # subscribed: at most 2 s
             if wakeups.listening:
                 break

@@ -108,7 +108,7 @@ def admission(
 
 
 def lease(lease_id: str = "t-ledger-lease-1") -> Lease:
-    return Lease(lease_id, "m", "http://m-a:8000", "gw:acct:{t-ledger}", 0.0)
+    return Lease(lease_id, "m", "http://m-a:8000", "gw:v2:acct:{t-ledger}", 0.0)
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_record_call_shape() -> None:
     name, keys, args = record_call(flat, 35 * DAY_S)
     assert name == "usage"
     bucket = f"{{usage}}:rids:{NOW_S}"
-    assert list(keys) == ["usage", bucket, "{usage}:rid:r-9"]
+    assert list(keys) == ["usage", bucket]
     forget_at, member, *pairs = args
     assert member == "r-9"
     assert forget_at >= NOW_S * 1000 + DEDUPE_MAX_S * 1000
@@ -220,18 +220,6 @@ async def test_usage_script_appends_once_per_request_id(usage_redis: aioredis.Re
     assert await entries(usage_redis) == [flat]
     assert await remembered_ms(usage_redis, flat) > (DEDUPE_MAX_S - 60) * 1000
     assert await remembered_ms(usage_redis, flat) <= DEDUPE_MAX_S * 1000
-
-
-async def test_a_record_an_older_release_sent_first_is_not_appended_again(
-    usage_redis: aioredis.Redis,
-) -> None:
-    """Releases before the identity sets wrote a key per identity: a spool they left
-    (adopted by this release, or kept by an upgraded pod) finds it."""
-    flat = {**usage_fields(), "attempt": "lease-old"}
-    await usage_redis.set("{usage}:rid:" + flat["request_id"] + ":lease-old", "1", px=60_000)
-    store = RedisPyStore(usage_redis, 2.0)
-    assert await bounded(Scripts().send(store, [record_call(flat, DAY_S)])) == [0]
-    assert await entries(usage_redis) == []
 
 
 async def test_usage_script_appends_distinct_request_ids(usage_redis: aioredis.Redis) -> None:
@@ -437,7 +425,7 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
     registry = Registry(parse_config(CONFIG, "t.yaml").models)
     candidates = plan_candidates("m", None, fail_fast=False, registry=registry, allowed=None)
     admitted = await bounded(adm.admit(candidates, "t-ledger", 10))
-    assert await usage_redis.zcard("gw:{m}:leases") == 1
+    assert await usage_redis.zcard("gw:v2:{m}:leases") == 1
     assert await usage_redis.zcard(admitted.lease.account) == 1
 
     sent: list[list[str]] = []
@@ -451,7 +439,7 @@ async def test_release_sends_slot_account_and_record_in_one_round_trip(
     flat = usage_fields()
     await bounded(adm.release(admitted.lease, flat))
     assert sent == [["release", "MULTI"]]  # the account entry goes with the slot (one Redis)
-    assert await usage_redis.zcard("gw:{m}:leases") == 0
+    assert await usage_redis.zcard("gw:v2:{m}:leases") == 0
     assert await usage_redis.zcard(admitted.lease.account) == 0
     assert await entries(usage_redis) == [{**flat, "attempt": admitted.lease.id}]
     assert not spool.pending()
@@ -463,7 +451,7 @@ async def test_release_of_a_local_lease_spools_the_record(
 ) -> None:
     spool = spool_in(tmp_path)
     adm = admission(usage_redis, spool, on_outage="local")
-    local = Lease("t-ledger-local", "m", "", "gw:acct:{t-ledger}", 0.0, local=True)
+    local = Lease("t-ledger-local", "m", "", "gw:v2:acct:{t-ledger}", 0.0, local=True)
     adm.holdings.held[local.id] = local
     flat = usage_fields()
     await bounded(adm.release(local, flat))

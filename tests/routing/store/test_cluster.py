@@ -75,10 +75,10 @@ def direct_get(node: RedisServer, key: str) -> bytes | None:
 
 
 def test_a_command_goes_to_the_slot_of_its_first_key() -> None:
-    assert slot_of(["EVALSHA", "0" * 40, 2, "gw:{m}:leases", "gw:{x}:q", 1]) == slot_of(
+    assert slot_of(["EVALSHA", "0" * 40, 2, "gw:v2:{m}:leases", "gw:v2:{x}:q", 1]) == slot_of(
         ["GET", "{m}"]
     )
-    assert slot_of(["ZREM", "gw:acct:{acme}", "id"]) == slot_of(["GET", "acme"])
+    assert slot_of(["ZREM", "gw:v2:acct:{acme}", "id"]) == slot_of(["GET", "acme"])
     assert slot_of(["EVALSHA", "0" * 40, 0]) == ANY
     assert slot_of(["TIME"]) == ANY
     assert slot_of(["SCRIPT", "LOAD", "return 1"]) == EVERY
@@ -101,7 +101,7 @@ async def test_a_batch_is_split_per_node_and_its_replies_come_back_in_order(
     store: ClusterStore, empty_cluster: RedisCluster
 ) -> None:
     tags = tags_on_each_node(empty_cluster)
-    keys = [f"gw:{{{t}}}:k" for t in tags]
+    keys = [f"gw:v2:{{{t}}}:k" for t in tags]
     commands: list[Command] = [["SET", k, f"v{i}"] for i, k in enumerate(keys)]
     commands += [["TIME"], ["INCR", keys[0]]] + [["GET", k] for k in reversed(keys)]
     replies = await bounded(store.send(commands))
@@ -122,7 +122,7 @@ async def test_scripts_are_loaded_on_every_master(
         with redis.Redis(host="127.0.0.1", port=node.port) as client:
             assert all(client.script_exists(*scripts.loaded.values()))
     tags = tags_on_each_node(empty_cluster)
-    calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
+    calls = [("account", [f"gw:v2:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
     assert await bounded(scripts.send(store, calls)) == [1, 1, 1]
 
 
@@ -135,7 +135,7 @@ async def test_scripts_lost_by_one_node_are_loaded_again(
         client.script_flush()  # that node restarted empty, say
         client.function_flush()
     tags = tags_on_each_node(empty_cluster)
-    calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
+    calls = [("account", [f"gw:v2:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
     assert await bounded(scripts.send(store, calls)) == [1, 1, 1]
 
 
@@ -143,13 +143,13 @@ async def test_a_moved_slot_is_followed_and_learned(
     store: ClusterStore, empty_cluster: RedisCluster
 ) -> None:
     tags = tags_on_each_node(empty_cluster, "moved")
-    key = f"gw:{{{tags[0]}}}:k"
+    key = f"gw:v2:{{{tags[0]}}}:k"
     slot = empty_cluster.slot(key)
     assert await bounded(store.send([["SET", key, "before"]])) == [b"OK"]
     source, target = empty_cluster.nodes[0], empty_cluster.nodes[2]
     empty_cluster.move_slot(slot, target)
     try:
-        other = f"gw:{{{tags[1]}}}:k"
+        other = f"gw:v2:{{{tags[1]}}}:k"
         replies = await bounded(store.send([["GET", key], ["SET", other, "x"], ["SET", key, "a"]]))
         assert replies == [b"before", b"OK", b"OK"]
         assert direct_get(target, key) == b"a"
@@ -169,8 +169,8 @@ async def test_a_transaction_runs_whole_on_the_node_of_its_keys_and_follows_a_mo
     keys' slot, in a batch split over the nodes, and a MOVED aborts it whole (EXECABORT)
     before it is resent whole to the slot's new master."""
     tags = tags_on_each_node(empty_cluster, "multi")
-    key, other = f"gw:{{{tags[0]}}}:k", f"gw:{{{tags[1]}}}:k"
-    block = Transaction([("SET", f"gw:{{{tags[0]}}}:a", "1"), ("INCR", key)])
+    key, other = f"gw:v2:{{{tags[0]}}}:k", f"gw:v2:{{{tags[1]}}}:k"
+    block = Transaction([("SET", f"gw:v2:{{{tags[0]}}}:a", "1"), ("INCR", key)])
     replies = await bounded(store.send([["SET", other, "x"], block, ["GET", key]]))
     assert replies == [b"OK", [b"OK", 1], b"1"]
     slot = empty_cluster.slot(key)
@@ -189,7 +189,7 @@ async def test_a_slot_being_migrated_is_followed_with_asking(
     store: ClusterStore, empty_cluster: RedisCluster
 ) -> None:
     tags = tags_on_each_node(empty_cluster, "ask")
-    kept, new = f"gw:{{{tags[0]}}}:kept", f"gw:{{{tags[0]}}}:new"
+    kept, new = f"gw:v2:{{{tags[0]}}}:kept", f"gw:v2:{{{tags[0]}}}:new"
     slot = empty_cluster.slot(kept)
     assert await bounded(store.send([["SET", kept, "1"]])) == [b"OK"]
     target = empty_cluster.nodes[1]
@@ -244,11 +244,11 @@ async def test_a_part_that_may_have_run_fails_the_batch_in_doubt(
     tags = tags_on_each_node(empty_cluster, "fail")
     store = store_with_failing(empty_cluster, empty_cluster.nodes[1], RedisConnectionError("x"))
     try:
-        batch = [["SET", f"gw:{{{tags[0]}}}:k", "1"], ["SET", f"gw:{{{tags[1]}}}:k", "1"]]
+        batch = [["SET", f"gw:v2:{{{tags[0]}}}:k", "1"], ["SET", f"gw:v2:{{{tags[1]}}}:k", "1"]]
         with pytest.raises(RedisConnectionError) as failed:
             await bounded(store.send(batch))
         assert not isinstance(failed.value, NotSent)  # the other part ran: in doubt
-        assert direct_get(empty_cluster.nodes[0], f"gw:{{{tags[0]}}}:k") == b"1"
+        assert direct_get(empty_cluster.nodes[0], f"gw:v2:{{{tags[0]}}}:k") == b"1"
     finally:
         await store.aclose()
 
@@ -259,7 +259,7 @@ async def test_a_part_that_never_left_answers_its_commands_with_the_error(
     tags = tags_on_each_node(empty_cluster, "unsent")
     store = store_with_failing(empty_cluster, empty_cluster.nodes[1], NotSent("refused"))
     try:
-        keys = [f"gw:{{{t}}}:k" for t in tags]
+        keys = [f"gw:v2:{{{t}}}:k" for t in tags]
         replies = await bounded(store.send([["SET", k, "1"] for k in keys]))
         assert replies[0] == b"OK" and replies[2] == b"OK"
         assert isinstance(replies[1], NotSent)  # in its place: the others are given back
@@ -274,10 +274,10 @@ async def test_an_argument_that_cannot_be_encoded_sends_nothing(
     store: ClusterStore, empty_cluster: RedisCluster
 ) -> None:
     tags = tags_on_each_node(empty_cluster, "enc")
-    batch = [["SET", f"gw:{{{tags[0]}}}:k", "1"], ["SET", f"gw:{{{tags[1]}}}:k", "\udcff"]]
+    batch = [["SET", f"gw:v2:{{{tags[0]}}}:k", "1"], ["SET", f"gw:v2:{{{tags[1]}}}:k", "\udcff"]]
     with pytest.raises(DataError):
         await bounded(store.send(batch))
-    assert direct_get(empty_cluster.nodes[0], f"gw:{{{tags[0]}}}:k") is None
+    assert direct_get(empty_cluster.nodes[0], f"gw:v2:{{{tags[0]}}}:k") is None
 
 
 async def test_an_unreachable_cluster_is_not_sent() -> None:
@@ -311,9 +311,9 @@ async def test_a_cluster_is_detected_from_any_node(
         assert isinstance(client, AsyncRedisCluster)
         assert isinstance(store, ClusterStore)
         tags = tags_on_each_node(empty_cluster, "det")
-        batch = [["SET", f"gw:{{{t}}}:k", t] for t in tags]
+        batch = [["SET", f"gw:v2:{{{t}}}:k", t] for t in tags]
         assert await bounded(store.send(batch)) == [b"OK"] * 3
-        assert await bounded(client.get(f"gw:{{{tags[0]}}}:k")) == tags[0].encode()
+        assert await bounded(client.get(f"gw:v2:{{{tags[0]}}}:k")) == tags[0].encode()
         assert await bounded(probe(client, 2.0)) is None
     finally:
         await store.aclose()
@@ -327,7 +327,7 @@ async def test_wake_ups_published_on_any_node_reach_the_subscriber(
     client = connect(empty_cluster.url, command_timeout_s=1.0)
     listener = subscriber(empty_cluster.url, client)
     tags = tags_on_each_node(empty_cluster, "wake")
-    channels = [f"gw:{{{t}}}:wake" for t in tags]
+    channels = [f"gw:v2:{{{t}}}:wake" for t in tags]
     pubsub = listener.pubsub(ignore_subscribe_messages=True)
     try:
         await bounded(pubsub.subscribe(*channels))
@@ -383,7 +383,7 @@ async def test_a_tls_cluster_runs_scripts_through_redis_py_per_node(tmp_path: Pa
         scripts = Scripts()
         await bounded(scripts.load(store))
         tags = tags_on_each_node(cluster, "tls")
-        calls = [("account", [f"gw:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
+        calls = [("account", [f"gw:v2:acct:{{{t}}}"], ["lease-1", 5, 60_000]) for t in tags]
         assert await bounded(scripts.send(store, calls)) == [1, 1, 1]
         assert await bounded(probe(client, 3.0)) is None
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 from routing.admission.slots import ModelSlots, Timing
 from routing.store import keys
 from routing.store.scripts import Scripts
-from tiers.policy import Tier
+from tiers.policy import BY_RANK, Tier
 
 ROOT = Path(__file__).resolve().parents[3]
 LUA = resources.files("routing.store").joinpath("lua")
@@ -73,4 +73,20 @@ def test_a_cluster_is_given_every_declared_key_of_the_model() -> None:
     model = ModelSlots("m", utilization, 10, Timing(30_000, 2_000, 3_000), declare_all=True)
     model.set_endpoints([("http://a:8000", 1, 0.0)])
     _, passed, _ = model.acquire("l1", Tier.DEFAULT, may_wait=True)
-    assert list(passed) == keys.model_keys("m") == [f"gw:{{m}}:{k.name}" for k in keys.MODEL]
+    assert list(passed) == keys.model_keys("m") == [f"gw:v2:{{m}}:{k.name}" for k in keys.MODEL]
+
+
+def test_the_prelude_counts_the_tiers_of_the_tier_table() -> None:
+    """The acquire's common case reads every tier's waiters in one call, however many."""
+    acquire = Scripts().sources()["acquire"]
+    assert keys.lua_tiers(len(BY_RANK)) in acquire and "-- @tiers" not in acquire
+    assert (
+        keys.lua_tiers(4) == "local RANKS = 4\nlocal WAIT_FIELDS = {'~w0', '~w1', '~w2', '~w3'}\n"
+    )
+
+
+def test_the_docs_show_the_table_as_it_is() -> None:
+    """docs/architecture.md's "Keys in Redis" is `python -m routing.store.keys`."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    shown = text.split("<!-- keys:begin -->\n", 1)[1].split("<!-- keys:end -->", 1)[0]
+    assert shown == keys.markdown()
