@@ -85,7 +85,8 @@ class Hop:
         """The lease's endpoint as this replica knows it (retired ones included)."""
         lease, pools = self._admitted.lease, self._state.pools
         if lease.local:
-            endpoint = pools.pick(lease.model)
+            health = self._state.health
+            endpoint = pools.pick(lease.model, health.penalty, health.is_up)
             if endpoint is not None:
                 self._state.admission.place(lease, endpoint.url)
         else:

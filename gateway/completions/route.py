@@ -50,8 +50,8 @@ from gateway.runtime.auth import Account, key_from_headers
 from gateway.runtime.state import GatewayState
 from gateway.schemas.common import GatewayRequest, RoutedRequest
 from routing.admission.admit import Admitted
-from routing.admission.affinity import affinity_key
 from routing.admission.plan import plan_candidates
+from routing.choice.affinity import affinity_key
 from routing.errors import Limited, Preempted, RoutingError, UnavailableReason
 from routing.quotas import Quotas
 from tiers.resolve import requested_tier

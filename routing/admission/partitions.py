@@ -27,8 +27,8 @@ from typing import TypeVar
 
 from redis.crc import key_slot
 
-from routing.admission.affinity import Ring
 from routing.admission.slots import ModelSlots
+from routing.choice.affinity import Ring
 from tiers.policy import Tier
 
 SLOTS = 16384

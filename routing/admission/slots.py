@@ -11,8 +11,8 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from routing.admission.affinity import Ring
 from routing.admission.timing import Timing
+from routing.choice.affinity import Ring
 from routing.store.keys import account_tag, model_key, model_keys
 from routing.store.scripts import Call
 from tiers.policy import BY_RANK, Tier

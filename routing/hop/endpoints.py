@@ -1,7 +1,8 @@
 """A model's endpoints as this replica holds them, with its own in-flight counts.
 
 Admission picks the endpoint of each lease from counts shared in Redis (routing/admission/slots.py);
-these local counts and `Pool.pick` serve only while Redis is away (`on_outage: local`).
+these local counts and `Pool.pick` (routing/choice/pick.py) serve only while Redis is away
+(`on_outage: local`).
 
 A config reload must never pull an endpoint from under a request (docs/architecture.md,
 Live config): an endpoint whose URL stays keeps its object (and so its in-flight count) with the
@@ -10,9 +11,18 @@ new settings, and one that leaves stays findable, retired, while a lease still h
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
+from routing.choice.pick import least_loaded
 from routing.registry import EndpointConfig, Model
+
+
+def _no_penalty(url: str) -> float:
+    return 0.0
+
+
+def _up(url: str) -> bool:
+    return True
 
 
 class Endpoint:
@@ -49,16 +59,18 @@ class Pool:
         found = self.by_url.get(url)
         return found if found is not None else self.retired.get(url)
 
-    def pick(self) -> Endpoint | None:
-        """Fewest in flight; ties go round-robin so equal endpoints share the load evenly.
-        None when the model has no endpoint left (it left the config)."""
-        endpoints = self.endpoints
-        if not endpoints:
-            return None
-        least = min(e.inflight for e in endpoints)
-        tied = [e for e in endpoints if e.inflight == least]
-        self._turn = (self._turn + 1) % len(tied) if len(tied) > 1 else 0
-        return tied[self._turn]
+    def pick(
+        self, penalty: Callable[[str], float] = _no_penalty, up: Callable[[str], bool] = _up
+    ) -> Endpoint | None:
+        """The outage's choice (routing/choice/pick.py), by the scorers the acquire's
+        follows: of the endpoints `up` (all, when none is), the lowest load relative to its
+        size plus its worker's `penalty`; ties take turns. None when the model has no
+        endpoint left (it left the config)."""
+        endpoints = [e for e in self.endpoints if up(e.url)] or self.endpoints
+        loads = [(e.inflight, e.config.max_concurrency, penalty(e.url)) for e in endpoints]
+        self._turn += 1
+        at = least_loaded(loads, self._turn)
+        return None if at is None else endpoints[at]
 
     def apply(self, model: Model | None, in_use: Collection[str]) -> None:
         """A new config for this model (None: the model left). `in_use`: the URLs leases
@@ -93,9 +105,14 @@ class Pools:
         pool = self._pools.get(model)
         return pool.find(url) if pool is not None else None
 
-    def pick(self, model: str) -> Endpoint | None:
+    def pick(
+        self,
+        model: str,
+        penalty: Callable[[str], float] = _no_penalty,
+        up: Callable[[str], bool] = _up,
+    ) -> Endpoint | None:
         pool = self._pools.get(model)
-        return pool.pick() if pool is not None else None
+        return pool.pick(penalty, up) if pool is not None else None
 
     def apply(self, models: Iterable[Model], in_use: Iterable[tuple[str, str]] = ()) -> None:
         """A new config. `in_use`: the (model, endpoint URL) pairs that leases still hold;

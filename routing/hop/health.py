@@ -31,6 +31,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.background import BackgroundErrors, every
+from routing.choice.penalty import penalty as load_penalty
 from routing.hop import scrape
 from routing.hop.budgets import TokenBudgets
 from routing.hop.scrape import Reading
@@ -187,7 +188,9 @@ class Health:
         health = self.endpoints.get(url)
         if health is None:
             return
-        penalty = _penalty(reading, health.size) if health.scrape else None
+        penalty = None
+        if health.scrape and reading is not None:
+            penalty = load_penalty(reading.waiting, reading.kv_usage, health.size)
         if penalty is not None and abs(penalty - health.penalty) > 0.02:
             health.penalty = penalty
             if health.up:
@@ -346,12 +349,3 @@ class Health:
                 if len(body) > MAX_BODY_BYTES:
                     return response.status, None
             return response.status, body.decode(errors="replace")
-
-
-def _penalty(reading: Reading | None, size: int) -> float | None:
-    """Queued requests wait behind running ones; a full KV cache preempts. Both count."""
-    if reading is None:
-        return None
-    waiting = reading.waiting or 0.0
-    kv_usage = reading.kv_usage or 0.0
-    return min(2.0, max(0.0, waiting) / max(1, size)) + min(1.0, max(0.0, kv_usage))

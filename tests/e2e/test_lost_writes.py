@@ -31,7 +31,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from routing.store.keys import USAGE_STREAM
+from routing.store.keys import USAGE_STREAM, account_key, model_tag
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import leftovers, rid, until, worker_load
@@ -236,7 +236,7 @@ async def test_a_cluster_failover_that_loses_writes_costs_seconds(tmp_path: Path
     try:
         master = cluster.node_of(USAGE_STREAM)
         model = _tag_on(cluster, "m", master)
-        account = _tag_on(cluster, "limited", master)
+        account = _tag_on(cluster, "limited", master, account_key)
         replica = cluster.add_replica(master)
         stays = next(n for n in cluster.nodes if n not in (master, replica))
         slot = cluster.slot("{" + model + "}")
@@ -252,11 +252,11 @@ async def test_a_cluster_failover_that_loses_writes_costs_seconds(tmp_path: Path
         cluster.stop()
 
 
-def _tag_on(cluster: RedisCluster, prefix: str, node: RedisServer) -> str:
-    """The first name `<prefix><n>` whose hash tag lives on `node`."""
-    return next(
-        f"{prefix}{i}" for i in range(1000) if cluster.node_of("{" + prefix + str(i) + "}") is node
-    )
+def _tag_on(
+    cluster: RedisCluster, prefix: str, node: RedisServer, key: Callable[[str], str] = model_tag
+) -> str:
+    """The first name `<prefix><n>` whose key (`key`: a model's tag) lives on `node`."""
+    return next(f"{prefix}{i}" for i in range(1000) if cluster.node_of(key(f"{prefix}{i}")) is node)
 
 
 def _owner_of(cluster: RedisCluster, asked: RedisServer, slot: int) -> int | None:

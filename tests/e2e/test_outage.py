@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from routing.store.keys import account_key
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.redis_cluster import start_cluster
@@ -28,7 +29,7 @@ redis: {{url: "{redis_url}", lease_ttl_s: 5, on_outage: {on_outage}}}
 models:
   m: {{endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1}}]}}
   live: {{endpoints: [{{url: "{sim.url}", max_concurrency: 4, model: m1}}]}}
-keys: [{{sha256: "{digest(KEY)}", account: outage-acct}}]
+keys: [{{sha256: "{digest(KEY)}", account: outage-acct-0}}]
 """
 
 
@@ -71,7 +72,7 @@ def store(tmp: Path, kind: str, servers: list[RedisServer]) -> tuple[RedisServer
     cluster = start_cluster(tmp / "cluster", extra)
     servers += cluster.nodes
     down = cluster.node_of("{m}")
-    others = {cluster.node_of("{live}").port, cluster.node_of("{outage-acct}").port}
+    others = {cluster.node_of("{live}").port, cluster.node_of(account_key("outage-acct-0")).port}
     assert len({down.port, *others}) == 3
     return down, next(
         u for n, u in zip(cluster.nodes, cluster.urls(), strict=True) if n is not down

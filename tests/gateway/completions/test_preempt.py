@@ -18,7 +18,7 @@ from routing.admission.admit import Admitted
 from routing.admission.plan import Candidate
 from routing.admission.ratelimit import RateCharge, RateLimits
 from routing.quotas import Quotas
-from tiers.policy import Tier
+from tiers.policy import Tier, TiersConfig
 
 ACCOUNT = Account("acme", "k" * 12, "d" * 64, 10, None, None, tpm=1000)
 LIMITS = RateLimits("acme", "k" * 12, tpm=1000)
@@ -38,7 +38,7 @@ class Admission:
 def state(on_preempt: str) -> tuple[Any, Admission]:
     admission = Admission()
     counted = SimpleNamespace(labels=lambda *a: SimpleNamespace(inc=lambda: None))
-    tiers = SimpleNamespace(flex=SimpleNamespace(on_preempt=on_preempt))
+    tiers = TiersConfig.model_validate({"flex": {"on_preempt": on_preempt}})
     found = SimpleNamespace(
         admission=admission, config=SimpleNamespace(tiers=tiers),
         metrics=SimpleNamespace(preemptions=counted),

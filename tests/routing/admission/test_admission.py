@@ -272,10 +272,11 @@ def spread_cluster(empty_cluster: RedisCluster) -> Iterator[RedisCluster]:
     cluster = empty_cluster
     busy = {cluster.node_of("{two}").port, cluster.node_of("{five}").port}
     spare = next(n for n in cluster.nodes if n.port not in busy)
-    slot, home = cluster.slot("{t-acme}"), cluster.node_of("{t-acme}")
+    slot, home = cluster.slot(account_key("t-acme")), cluster.node_of(account_key("t-acme"))
     cluster.move_slot(slot, spare)
     try:
-        nodes = {m: cluster.node_of("{" + m + "}").port for m in ("two", "five", "t-acme")}
+        nodes = {m: cluster.node_of("{" + m + "}").port for m in ("two", "five")}
+        nodes["t-acme"] = cluster.node_of(account_key("t-acme")).port
         assert len(set(nodes.values())) == 3, nodes
         assert cluster.node_of("{usage}").port != nodes["two"]
         yield cluster

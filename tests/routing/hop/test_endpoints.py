@@ -1,4 +1,5 @@
-"""Endpoint choice inside a model: fewest in flight, ties rotate."""
+"""Endpoint choice inside a model while Redis is away (routing/choice/pick.py): the lowest
+load relative to its size plus its worker's penalty, of the endpoints up; ties rotate."""
 
 from __future__ import annotations
 
@@ -69,6 +70,29 @@ def test_ties_among_least_loaded_share_evenly_beside_a_busy_endpoint() -> None:
     p.endpoints[0].inflight = 4
     counts = Counter(p.pick().url for _ in range(30))
     assert counts == {p.endpoints[1].url: 15, p.endpoints[2].url: 15}
+
+
+def test_the_load_counts_relative_to_each_endpoints_size() -> None:
+    """As the acquire script's `free`: 3 of 8 is less loaded than 1 of 2."""
+    endpoints = [
+        {"url": "http://big:8000", "max_concurrency": 8},
+        {"url": "http://small:8000", "max_concurrency": 2},
+    ]
+    model = Registry({"m": ModelConfig.model_validate({"endpoints": endpoints})}).get("m")
+    assert model is not None
+    p = Pool(model)
+    p.endpoints[0].inflight, p.endpoints[1].inflight = 3, 1
+    assert all(p.pick().url == "http://big:8000" for _ in range(4))
+
+
+def test_a_workers_penalty_and_health_steer_the_choice() -> None:
+    p = pool(3)
+    penalties = {p.endpoints[0].url: 0.5, p.endpoints[1].url: 0.0, p.endpoints[2].url: 0.0}
+    down = {p.endpoints[2].url}
+    picks = {p.pick(penalties.__getitem__, lambda url: url not in down).url for _ in range(6)}
+    assert picks == {p.endpoints[1].url}
+    # None up (this replica's health may lag): any of them, by load.
+    assert p.pick(up=lambda url: False) is not None
 
 
 def test_pools_by_model_name() -> None:

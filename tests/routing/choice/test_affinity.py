@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from routing.admission.affinity import Ring, affinity_key
+from routing.choice.affinity import Ring, affinity_key
 
 URLS = [f"http://w{i}:8000" for i in range(4)]
 
