@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -110,7 +111,7 @@ class RedisCluster:
 
     def client(self, node: RedisServer) -> redis.Redis:
         """A plain (not Cluster) client of one node."""
-        tls = {"ssl": True, "ssl_ca_certs": str(self.tls[0])} if self.tls else {}
+        tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": str(self.tls[0])} if self.tls else {}
         return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5.0, **tls)
 
     @property

@@ -22,6 +22,12 @@ from typing import Any
 
 STARTUP_DEADLINE_S = 10.0
 
+# redis-py types a reply for either `decode_responses`; what a client of the tests gets
+# (bytes; text where a client asks `decode_responses=True`), for `cast`.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+TextStreamEntries = list[tuple[str, dict[str, str]]]
+ScoredMembers = list[tuple[bytes, float]]
+
 
 def endpoint_load(fields: Mapping[Any, Any]) -> int:
     """Leases counted on a model's endpoints, from its `ep_load` hash (HGETALL): the fields

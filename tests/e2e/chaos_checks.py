@@ -342,11 +342,11 @@ def records(
         for record in epoch:
             per_rid[record["request_id"]].append((n, record))
     by_rid = {out.spec.rid: out for out in outcomes}
-    for rid, recs in per_rid.items():
+    for rid, seen in per_rid.items():
         if rid not in by_rid:
             found.unexpected.append(f"{rid}: a record for no request of this run")
-        if len(recs) > 1:
-            _twice(found, rid, recs, lost_at, margin_s)
+        if len(seen) > 1:
+            _twice(found, rid, seen, lost_at, margin_s)
     for out in outcomes:
         rid, recs = out.spec.rid, [r for _, r in per_rid.get(out.spec.rid, [])]
         preempted = out.status == 429 and out.code == "preempted"

@@ -24,11 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import redis
 
 from tests.e2e import procs
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, TextStreamEntries
 
 REAL_FAULTS = ("restart_empty", "restart_kept", "pause", "kill_replica")
 
@@ -138,7 +139,7 @@ def read_usage(url: str) -> list[dict[str, str]]:
     try:
         return [
             {**fields, "_at": str(int(entry.split("-")[0]) / 1000)}
-            for entry, fields in client.xrange("usage")
+            for entry, fields in cast(TextStreamEntries, client.xrange("usage"))
         ]
     finally:
         client.close()

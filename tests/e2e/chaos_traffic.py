@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 
 from tests.e2e.chaos_fleet import ChaosFleet, Replica
@@ -214,7 +215,8 @@ class Driver:
     def _sdk_client(self, url: str, account: str) -> openai.AsyncOpenAI:
         client = self._sdks.get((url, account))
         if client is None:
-            limits = httpx.Limits(max_connections=8, keepalive_expiry=KEEPALIVE_S)
+            # openai's own HTTP client (httpx2, a fork of httpx) takes its own Limits.
+            limits = httpx2.Limits(max_connections=8, keepalive_expiry=KEEPALIVE_S)
             client = openai.AsyncOpenAI(
                 base_url=url + "/v1",
                 api_key=self.keys[account],

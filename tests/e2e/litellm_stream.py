@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 # No network here: LiteLLM's price map and tokenizers from the package, never fetched.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -27,7 +28,8 @@ def main(base_url: str, key: str, model: str, prompt: str, *rows: str) -> None:
                 messages=[{"role": "user", "content": prompt}], stream=True, **extra,
             )
         )  # fmt: skip
-        built = litellm.stream_chunk_builder(chunks)
+        # LiteLLM sets a response's usage at run time: its types do not show it.
+        built: Any = litellm.stream_chunk_builder(chunks)
         last = getattr(chunks[-1], "usage", None)
         print(json.dumps({
             "row": row,

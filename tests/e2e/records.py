@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import cast
 
 import redis
+
+from tests.redis_server import TextStreamEntries
 
 
 def records(redis_url: str, rids: Collection[str]) -> dict[str, list[dict[str, str]]]:
     found: dict[str, list[dict[str, str]]] = {rid: [] for rid in rids}
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        entries: list[tuple[str, dict[str, Any]]] = client.xrange("usage")
+        entries = cast(TextStreamEntries, client.xrange("usage"))
     finally:
         client.close()
     for _, fields in entries:

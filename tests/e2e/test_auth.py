@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def test_key_minted_by_cli_works_and_is_stored_as_digest(fleet: Fleet, http: htt
     assert resp.status_code == 200
     store = redis.Redis.from_url(REDIS_URL)
     try:
-        stored = store.hgetall("gw:keys")
+        stored = cast(dict[bytes, bytes], store.hgetall("gw:keys"))
     finally:
         store.close()
     assert all(key.encode() not in k + v for k, v in stored.items())

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -120,10 +121,12 @@ models:
         await health.close()
 
 
-async def probe_round(health: Health, clock: Clock, after_s: float, url: str) -> int | None:
+async def probe_round(health: Health, clock: Clock, after_s: float, url: str) -> int:
     clock.now += after_s
     await health.probe_all()
-    return health.budget("m1", url)
+    budget = health.budget("m1", url)
+    assert budget is not None
+    return budget
 
 
 def test_a_gateway_reads_an_auto_budget_shows_it_and_writes_it_to_redis(
@@ -148,7 +151,10 @@ models:
             shown = lambda: gateway_budget(http, gateway.url, model, sim.url) == expected  # noqa: E731
             wait_for(shown, "gateway_token_budget")
         key = "gw:v2:{" + model + "}:eps"
-        spec = lambda: (store.hget(key, sim.url) or b"").decode()  # noqa: E731
+
+        def spec() -> str:
+            return cast(bytes, store.hget(key, sim.url) or b"").decode()
+
         wait_for(lambda: spec().endswith(f" {expected}"), "the budget in the index")
         # size, penalty, budget and whole budget (unadapted: the same here)
         assert spec().split() == ["4", "0.0", str(expected), str(expected)]
@@ -197,7 +203,10 @@ models:
 """,
         )
         with httpx.Client(timeout=30) as http:
-            budget = lambda: gateway_budget(http, gateway.url, model, sim.url)  # noqa: E731
+
+            def budget() -> float | None:
+                return gateway_budget(http, gateway.url, model, sim.url)
+
             wait_for(lambda: budget() == 992, "the first cache's budget")
             sim.stop()
             small = ["sim", "--port", str(sim.port), "--models", "m1", "--kv-tokens", "200"]

@@ -25,6 +25,7 @@ import pytest
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest
+from tests.redis_server import free_port
 
 RUN = uuid.uuid4().hex[:8]
 CAPACITY = 4
@@ -55,7 +56,7 @@ def config_text(worker: procs.Proc, model: str, fairness: str, keys: dict[str, t
     )
     return (
         f'redis: {{url: "{REDIS_URL}"}}\n'
-        f'usage: {{spool_dir: "{tmp}/spool-{procs.free_port()}"}}\n'
+        f'usage: {{spool_dir: "{tmp}/spool-{free_port()}"}}\n'
         "tiers:\n"
         f"  default: {{queue_timeout_s: 60, fairness: {fairness}}}\n"
         "  priority: {queue_timeout_s: 60}\n"

@@ -20,8 +20,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ from routing.store.keys import account_key
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.redis_cluster import RedisCluster, start_cluster
-from tests.redis_server import RedisServer, endpoint_load
+from tests.redis_server import RedisServer, ScoredMembers, StreamEntries, endpoint_load
 
 KEY = "sk-faults-acme"
 KEY_ONE = "sk-faults-one"  # one request in flight at most
@@ -202,7 +203,7 @@ async def assert_records(fleet: Fleet | LocalFleet, prefix: str, admitted: set[s
     async def complete() -> bool:
         found.clear()
         async with redis_of(fleet) as client:
-            for _, fields in await client.xrange("usage"):
+            for _, fields in cast(StreamEntries, await client.xrange("usage")):
                 request = fields[b"request_id"].decode()
                 if request.startswith(prefix):
                     found[request] += 1
@@ -228,8 +229,15 @@ async def until(check: Callable[[], Awaitable[bool]], what: str, limit_s: float)
     return time.monotonic() - started
 
 
+class HasStore(Protocol):
+    """A fleet of this module or another: the address of its store."""
+
+    @property
+    def url(self) -> str: ...
+
+
 @asynccontextmanager
-async def redis_of(fleet: Fleet | LocalFleet) -> AsyncIterator[aioredis.Redis]:
+async def redis_of(fleet: HasStore) -> AsyncIterator[aioredis.Redis]:
     client = connect(fleet.url, command_timeout_s=5.0)  # a Cluster client on a Cluster
     try:
         yield client
@@ -244,7 +252,8 @@ async def zcard(fleet: Fleet, key: str) -> int:
 
 async def queue_ids(fleet: Fleet, model: str) -> list[str]:
     async with redis_of(fleet) as client:
-        return [m.decode() for m in await client.zrange("gw:v2:{" + model + "}:queue", 0, -1)]
+        queue = cast(list[bytes], await client.zrange("gw:v2:{" + model + "}:queue", 0, -1))
+        return [m.decode() for m in queue]
 
 
 def worker_load(worker: procs.Proc) -> dict[str, float]:
@@ -345,7 +354,7 @@ async def test_redis_restarted_empty_gets_back_what_every_replica_holds(fleet: F
         assert over.status_code == 429 and over.json()["error"]["code"] == "concurrency_limit"
         assert not first.done() and not second.done()
         await streams.aclose()  # slots free: the waiters go, first come first served
-    answers = await asyncio.wait_for(asyncio.gather(first, second), 20)
+    answers = list(await asyncio.wait_for(asyncio.gather(first, second), 20))
     assert [r.status_code for r in answers] == [200, 200]
     assert_never_overloaded(fleet)
     await assert_clean(fleet)
@@ -414,7 +423,10 @@ async def test_a_waiters_account_entry_outlives_the_lease_ttl(fleet: Fleet) -> N
         await until(lambda: _queued(fleet, "q", 1), "the waiter", 5)
         async with redis_of(fleet) as client:
             entry, first_expiry = (
-                await client.zrange(account_key("faults-two"), 0, -1, withscores=True)
+                cast(
+                    ScoredMembers,
+                    await client.zrange(account_key("faults-two"), 0, -1, withscores=True),
+                )
             )[0]
 
             async def pushed() -> bool:
@@ -572,7 +584,7 @@ async def test_local_shares_add_up_to_the_capacity(local_fleet: LocalFleet) -> N
         for request in before:
             await streams.enter_async_context(held(a, "l", rid=request))
         for url in (a, b):  # each replica's view is its last sweep's: wait until both saw it
-            await until(lambda url=url: _sees(url, 2, 2), "both replicas' sweeps", 5)
+            await until(partial(_sees, url, 2, 2), "both replicas' sweeps", 5)
         local_fleet.redis.kill()
         for i in range(6):
             request = rid("local")
@@ -621,7 +633,8 @@ async def test_sigterm_turns_waiters_away_and_tells_those_cut_at_the_grace(fleet
         doomed.stop(signal.SIGKILL)
     await assert_records(fleet, f"faults-{RUN}-sigterm-", {stream_id, plain_id})
     async with redis_of(fleet) as client:
-        entries = {f[b"request_id"].decode(): f for _, f in await client.xrange("usage")}
+        stream = cast(StreamEntries, await client.xrange("usage"))
+        entries = {f[b"request_id"].decode(): f for _, f in stream}
     for request in (stream_id, plain_id):
         assert (entries[request][b"status"], entries[request][b"outcome"]) == (b"503", b"error")
     await assert_clean(fleet)

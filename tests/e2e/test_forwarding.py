@@ -67,7 +67,7 @@ def test_stream_always_asks_the_worker_for_usage(fleet: Fleet, http: httpx.Clien
 @pytest.mark.parametrize("bad", [b"a\tb", b"x" * 200, "caf\u00e9".encode()])
 def test_unusable_request_id_is_replaced(http: httpx.Client, bad: bytes) -> None:
     resp = http.post(
-        "/v1/completions", json={"model": "m1", "prompt": "x"}, headers={"x-request-id": bad}
+        "/v1/completions", json={"model": "m1", "prompt": "x"}, headers={b"x-request-id": bad}
     )
     assert resp.headers["x-request-id"].encode() != bad
     assert len(resp.headers["x-request-id"]) == 32

@@ -23,7 +23,9 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote
 
 import httpx
@@ -43,7 +45,7 @@ from tests.e2e.test_sentinel import (
     sentinel_nodes,
 )
 from tests.redis_cluster import RedisCluster, start_cluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, StreamEntries
 
 KEYS = {"sk-lost-main": "main", "sk-lost-limited": "limited"}  # key -> its part in the load
 MODEL = "m"
@@ -185,7 +187,7 @@ async def recovers_in_seconds(
         assert peak["sim:peak_requests_waiting"] == 0, peak
         assert 0 < peak["sim:peak_tokens_running"] <= TOKENS, peak
         for gateway in gateways:
-            await until(lambda g=gateway: _spool_empty(g), "the usage spool to empty", 20)
+            await until(partial(_spool_empty, gateway), "the usage spool to empty", 20)
         admitted = {o.request for o in load.outcomes if o.status == 200}
         records = await _records(failover)
         assert Counter({r: n for r, n in records.items() if r in admitted}) == Counter(admitted)
@@ -209,7 +211,8 @@ async def _records(failover: Failover) -> Counter[str]:
     client = aioredis.Redis(port=failover.replica.port, password=failover.password,
                             socket_timeout=5)  # fmt: skip
     try:
-        return Counter(f[b"request_id"].decode() for _, f in await client.xrange(USAGE_STREAM))
+        entries = cast(StreamEntries, await client.xrange(USAGE_STREAM))
+        return Counter(f[b"request_id"].decode() for _, f in entries)
     finally:
         await client.aclose()
 

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import cast
 
 import pytest
 
@@ -33,7 +34,7 @@ from tests.e2e.test_faults import (
     until,
     worker_load,
 )
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, StreamEntries
 
 CAPACITY = 2
 BUDGET = 100_000  # never binding: every lease reserves tokens all the same
@@ -133,7 +134,7 @@ async def _assert_records(local: Local, admitted: set[str]) -> None:
     async def complete() -> bool:
         found.clear()
         async with redis_of(local) as client:
-            for _, fields in await client.xrange("usage"):
+            for _, fields in cast(StreamEntries, await client.xrange("usage")):
                 request = fields[b"request_id"].decode()
                 if request.startswith(f"faults-{RUN}-back-"):
                     found.setdefault(request, []).append(fields)

@@ -95,7 +95,7 @@ def priority(url: str, rid: str, results: dict[str, Any]) -> None:
             model="pre", prompt="urgent", max_tokens=4,
             extra_body={"service_tier": "priority"}, extra_headers={"x-request-id": rid},
         )  # fmt: skip
-        results[rid] = answer.service_tier
+        results[rid] = (answer.model_extra or {}).get("service_tier")  # not in openai's types
     except openai.APIStatusError as exc:
         results[rid] = exc.code or exc.status_code
     finally:

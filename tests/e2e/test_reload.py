@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import redis
@@ -18,7 +18,7 @@ from routing.store.keys import account_key
 from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import digest
-from tests.redis_server import endpoint_load
+from tests.redis_server import StreamEntries, endpoint_load
 from tiers.usage import UsageRecord
 
 KEY = "sk-reload"
@@ -132,7 +132,7 @@ def records(rids: set[str]) -> dict[str, list[UsageRecord]]:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         found: dict[str, list[UsageRecord]] = {rid: [] for rid in rids}
-        for _, raw in client.xrange("usage"):
+        for _, raw in cast(StreamEntries, client.xrange("usage")):
             fields = {k.decode(): v.decode() for k, v in raw.items()}
             if fields.get("request_id") in found:
                 found[fields["request_id"]].append(UsageRecord.from_fields(fields))

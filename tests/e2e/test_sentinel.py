@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 from urllib.parse import quote
 
 import httpx
@@ -28,7 +29,7 @@ import redis.asyncio as aioredis
 from tests.e2e import procs
 from tests.e2e.conftest import digest
 from tests.e2e.test_faults import leftovers, rid, until, worker_load
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer, StreamEntries, free_port
 
 KEY = "sk-sentinel"
 PASSWORD = "s3cret:/@"
@@ -140,7 +141,8 @@ class Traffic:
 async def _usage(port: int) -> Counter[str]:
     client = aioredis.Redis(port=port, password=PASSWORD, socket_timeout=5)
     try:
-        return Counter(f[b"request_id"].decode() for _, f in await client.xrange("usage"))
+        entries = cast(StreamEntries, await client.xrange("usage"))
+        return Counter(f[b"request_id"].decode() for _, f in entries)
     finally:
         await client.aclose()
 

@@ -13,8 +13,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -34,7 +35,7 @@ from tests.e2e.test_faults import (
     until,
     worker_load,
 )
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, ScoredMembers
 
 LEASE_TTL_S = 6
 COMMAND_TIMEOUT_S = 0.5
@@ -298,8 +299,13 @@ async def test_account_limits_hold_right_after_redis_restarts_empty(stopped: Sto
             seen: list[tuple[list[float], list[float]]] = []
 
             async def old() -> bool:  # a sweep kept the leases, not the accounts' entries
-                leases = await client.zrange("gw:v2:{m}:leases", 0, -1, withscores=True)
-                acct = await client.zrange(account_key("faults-two"), 0, -1, withscores=True)
+                leases = cast(
+                    ScoredMembers, await client.zrange("gw:v2:{m}:leases", 0, -1, withscores=True)
+                )
+                acct = cast(
+                    ScoredMembers,
+                    await client.zrange(account_key("faults-two"), 0, -1, withscores=True),
+                )
                 seen.append((sorted(s for _, s in leases), sorted(s for _, s in acct)))
                 return len(seen) > 1 and seen[-1][0] != seen[-2][0] and seen[-1][1] == seen[-2][1]
 
@@ -360,7 +366,7 @@ async def test_a_killed_replicas_waiters_of_several_accounts_leave_the_queue(
         async with held(a.url, "q"):
             for n, key in enumerate((KEY_ONE, KEY_TWO, KEY_TWO), start=1):
                 dead.append(asyncio.create_task(post(doomed.url, "q", key=key)))
-                await until(lambda n=n: _zcard(client, queue, n), "the doomed waiters", 5)
+                await until(partial(_zcard, client, queue, n), "the doomed waiters", 5)
             live = asyncio.create_task(post(b.url, "q"))
             await until(lambda: _zcard(client, queue, 4), "the live waiter", 5)
             doomed.stop(signal.SIGKILL)

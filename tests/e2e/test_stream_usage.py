@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import REDIS_URL
 from tests.e2e.conftest import Fleet, Sdk
@@ -33,7 +34,7 @@ def stream(client: openai.OpenAI, kind: str, options: dict[str, Any] | None, n: 
     common = dict(model="m1", max_tokens=MAX_TOKENS, n=n, stream=True, **extra)
     headers = {"x-request-id": rid}
     if kind == "chat":
-        messages = [{"role": "user", "content": PROMPT}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
         return rid, client.chat.completions.create(
             messages=messages, extra_headers=headers, **common
         )

@@ -24,7 +24,7 @@ from tests.conftest import REDIS_URL
 from tests.e2e import procs
 from tests.e2e.conftest import Sdk, digest
 from tests.redis_cluster import RedisCluster, start_cluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
 
 KEY = "sk-usage"
 # Request ids are remembered by Redis for a week against duplicates: each run uses its own.
@@ -55,7 +55,7 @@ def billing_config(good: procs.Proc, slow: procs.Proc, broken: procs.Proc, redis
 
     return (
         f'redis: {{url: "{redis_url}", lease_ttl_s: 5, on_outage: {on_outage}}}\n'
-        f'usage: {{spool_dir: "{tmp}/spool-{procs.free_port()}"}}\n'
+        f'usage: {{spool_dir: "{tmp}/spool-{free_port()}"}}\n'
         "models:\n"
         + model("cheap", good, 8)
         + model("busy", slow, 1)

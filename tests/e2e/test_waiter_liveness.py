@@ -14,7 +14,9 @@ import asyncio
 import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -120,7 +122,7 @@ async def queue_up(
     tasks: list[asyncio.Task[httpx.Response]] = []
     for n, (url, key) in enumerate(zip(urls, keys, strict=True), start=1):
         tasks.append(asyncio.create_task(post(url, "q", key=key, max_tokens=20)))
-        await until(lambda n=n: queued(client, n), f"waiter {n}", 5)
+        await until(partial(queued, client, n), f"waiter {n}", 5)
     return tasks
 
 
@@ -137,14 +139,16 @@ async def test_a_replica_stopped_past_the_waiter_ttl_gets_its_waiters_back_in_or
     try:
         async with held(a.url, "q"):
             tasks += await queue_up(client, [b.url, a.url], [KEY_TWO, KEY])
-            order = [m.decode() for m in await client.zrange(QUEUE, 0, -1)]
+            order = [m.decode() for m in cast(list[bytes], await client.zrange(QUEUE, 0, -1))]
             b.popen.send_signal(signal.SIGSTOP)
             try:
                 await until(lambda: queued(client, 1), "B's waiter buried", WAITER_TTL_S + 3)
             finally:
                 b.popen.send_signal(signal.SIGCONT)
             await until(lambda: queued(client, 2), "B's waiter back", 3 * SWEEP_S + SLACK_S)
-            assert [m.decode() for m in await client.zrange(QUEUE, 0, -1)] == order
+            assert [
+                m.decode() for m in cast(list[bytes], await client.zrange(QUEUE, 0, -1))
+            ] == order
         answers = await asyncio.wait_for(asyncio.gather(*tasks), 20)
     finally:
         for task in tasks:

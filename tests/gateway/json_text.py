@@ -84,7 +84,7 @@ def deep_values(draw: st.DrawFn) -> str:
     """A value wrapped so that a body holding it at its top level nests near MAX_DEPTH."""
     levels = draw(st.integers(MAX_DEPTH - 4, MAX_DEPTH + 2))
     shape = draw(st.sampled_from(["[", "{", "mixed"]))
-    text = draw(SCALARS)
+    text: str = draw(SCALARS)
     for level in range(levels):
         kind = shape if shape != "mixed" else "[{"[level % 2]
         text = f"[{text}]" if kind == "[" else f'{{"k":{text}}}'

@@ -57,7 +57,7 @@ def test_a_single_process_counts_without_a_lock_and_exactly() -> None:
     gateway changes metrics on its event loop's thread only."""
     metrics = Metrics()
     child = metrics.requests_of("m", "default", "200")
-    assert isinstance(child._value, LoopValue)  # type: ignore[attr-defined]
+    assert isinstance(child._value, LoopValue)
     for _ in range(1000):
         child.inc()
     metrics.duration_of("m", "default").observe(0.02)

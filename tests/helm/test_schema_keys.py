@@ -18,8 +18,9 @@ SCHEMA = Path(__file__).resolve().parents[2] / "helm" / "values.schema.json"
 
 def model_schema() -> dict[str, Any]:
     schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
-    found: dict[str, Any] = schema["properties"]["gateway"]["properties"]["models"]
-    return found["additionalProperties"]
+    models: dict[str, Any] = schema["properties"]["gateway"]["properties"]["models"]
+    found: dict[str, Any] = models["additionalProperties"]
+    return found
 
 
 def test_the_schema_takes_every_key_of_a_model() -> None:

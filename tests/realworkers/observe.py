@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import httpx
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.redis_server import endpoint_load
+from tests.redis_server import TextStreamEntries, endpoint_load
 
 T = TypeVar("T")
 
@@ -67,7 +67,7 @@ def usage_record(redis_url: str, rid: str) -> dict[str, str] | None:
     (the gateway writes it after the answer)."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        entries = client.xrevrange("usage", count=500)
+        entries = cast(TextStreamEntries, client.xrevrange("usage", count=500))
     finally:
         client.close()
     for _, fields in entries:
@@ -81,7 +81,7 @@ def held(redis_url: str, model: str) -> int:
     tag = "gw:v2:{" + model + "}:"
     client = redis.Redis.from_url(redis_url)
     try:
-        loads: Mapping[bytes, bytes] = client.hgetall(tag + "ep_load")
+        loads = cast(Mapping[bytes, bytes], client.hgetall(tag + "ep_load"))
         return int(client.zcard(tag + "leases")) + endpoint_load(loads)
     finally:
         client.close()

@@ -9,7 +9,6 @@ import asyncio
 import pytest
 from redis.exceptions import AuthenticationError
 
-from routing import background
 from routing.background import BackgroundErrors, backoff, every
 
 
@@ -38,7 +37,7 @@ async def test_a_failing_loop_backs_off_and_a_success_resets_it(
         if not next(outcomes, True):
             raise AuthenticationError("invalid username-password pair or user is disabled.")
 
-    monkeypatch.setattr(background.asyncio, "sleep", recorded)
+    monkeypatch.setattr(asyncio, "sleep", recorded)  # the sleep of routing/background.py
     task = asyncio.create_task(
         every("subscription", 0.5, work, BackgroundErrors(), max_backoff_s=10.0)
     )

@@ -110,6 +110,6 @@ def test_a_boolean_is_no_number(fields: dict[str, Any]) -> None:
 def test_a_boolean_is_no_size_nor_queue_bound(value: bool) -> None:
     # `max_concurrency: yes` would be one slot, `max_queue: no` a model that never queues.
     with pytest.raises(ValueError, match="not true or false"):
-        model_config(value)  # type: ignore[arg-type]
+        model_config(value)
     with pytest.raises(ValueError, match="not true or false"):
         model_config(4, max_queue=value)

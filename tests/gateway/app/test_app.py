@@ -179,7 +179,7 @@ FIELDS = [
     "fail_fast", "temperature", "top_p", "top_k", "n", "max_tokens", "stop", "seed", "tools",
     "tool_choice", "response_format", "logprobs", "user", "prompt_cache_key", "data",
 ]  # fmt: skip
-VALID = {
+VALID: dict[str, dict[str, Any]] = {
     "/v1/completions": {"model": "m1", "prompt": "x"},
     "/v1/chat/completions": {"model": "m1", "messages": [{"role": "user", "content": "x"}]},
 }

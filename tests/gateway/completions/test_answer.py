@@ -6,7 +6,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from itertools import pairwise
-from typing import Any
+from typing import Any, cast
 
 import fakeredis
 import httpx
@@ -20,11 +20,11 @@ from gateway.completions.answer import (
     DONE_EVENT,
     MAX_ERROR_MESSAGE,
     StreamRewriter,
-    Usage,
     error_event,
     rewrite_answer,
     worker_error,
 )
+from gateway.completions.exchange import Usage
 from gateway.completions.streamusage import StreamUsage, UsageForm
 from gateway.errors import (
     RateLimited,
@@ -34,6 +34,7 @@ from gateway.errors import (
 )
 from gateway.runtime.settings import parse_config
 from gateway.runtime.state import GatewayState
+from tests.redis_server import StreamEntries
 from tiers.usage import UsageRecord
 
 MODEL = "org/served"
@@ -395,7 +396,7 @@ keys: [{{sha256: "{hashlib.sha256(b"sk-relay").hexdigest()}", account: relay}}]
     assert upstream.response.pulled <= limit + 2 * 65536 + 200
     assert upstream.response.closed
 
-    (entry,) = await state.redis.xrange("usage")
+    (entry,) = cast(StreamEntries, await state.redis.xrange("usage"))
     record = UsageRecord.from_fields({k.decode(): v.decode() for k, v in entry[1].items()})
     assert (record.request_id, record.status, record.outcome) == ("cut-1", 502, "error")
     assert (record.completion_tokens, record.estimated) == (2, True)  # what was streamed

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.completions.billing import usage_fields
 from gateway.completions.exchange import Exchange, Usage
+from gateway.completions.streamusage import StreamUsage
 from gateway.runtime.settings import parse_config
 from routing.admission.admit import Admitted, Lease
 from routing.admission.plan import Candidate
@@ -46,7 +47,7 @@ def exchange(
     stream: bool = True,
 ) -> Exchange:
     started = time.perf_counter() - elapsed_s
-    made = Exchange("req-1", started, stream, True, usage or Usage(), status=status)
+    made = Exchange("req-1", started, stream, StreamUsage(), usage or Usage(), status=status)
     if ttft_s is not None:
         made.first_byte = started + ttft_s
     return made

@@ -13,6 +13,7 @@ import pytest
 from gateway.completions.apis import ROUTES
 from gateway.completions.exchange import Exchange, Usage
 from gateway.completions.hop import Hop
+from gateway.completions.streamusage import StreamUsage
 from gateway.edge.asgi import Message, Reply
 from gateway.runtime.settings import parse_config
 from gateway.runtime.state import GatewayState
@@ -98,7 +99,7 @@ async def hop(state: GatewayState, admitted: Admitted) -> tuple[Exchange, list[M
     async def send(message: Message) -> None:
         sent.append(message)
 
-    exchange = Exchange("rid-1", time.perf_counter(), False, True, Usage())
+    exchange = Exchange("rid-1", time.perf_counter(), False, StreamUsage(), Usage())
     await Hop(state, exchange, admitted, ROUTES[0], {}, Reply(send)).run()
     return exchange, sent
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.completions.exchange import Exchange, Parsed, Usage
 from gateway.completions.preempt import requeued
+from gateway.completions.streamusage import StreamUsage
 from gateway.runtime.auth import Account
 from gateway.schemas.chat import ChatRequest
 from gateway.schemas.completions import CompletionRequest
@@ -53,7 +54,7 @@ def parsed(deadline_s: float | None, waited_s: float) -> Parsed:
 
 
 def exchange() -> Exchange:
-    return Exchange("rid", time.perf_counter(), False, False, Usage(), status=429)
+    return Exchange("rid", time.perf_counter(), False, StreamUsage(), Usage(), status=429)
 
 
 def first() -> Admitted:

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.app.front import build_app
 from gateway.completions import hop, route
+from gateway.completions.preempt import unless_preempted
 from gateway.runtime.settings import parse_config
 from gateway.runtime.state import GatewayState
 from routing.errors import Preempted
@@ -334,7 +335,7 @@ async def test_a_preempted_flex_request_served_on_its_second_admission_counts_on
     state = GatewayState(config, redis=fakeredis.FakeAsyncRedis(), upstream=ScriptedUpstream())  # type: ignore[arg-type]
     app = build_app(state)
     tries: list[int] = []
-    real = route.unless_preempted
+    real = unless_preempted
 
     async def preempted_once(hop: Any, *args: Any) -> None:
         tries.append(1)

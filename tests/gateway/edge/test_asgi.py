@@ -32,7 +32,7 @@ from gateway.errors import (
     ServiceUnavailable,
     UpstreamFailed,
 )
-from routing.errors import UnavailableReason
+from routing.errors import LimitReason, UnavailableReason
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 
@@ -240,7 +240,7 @@ def test_401_adds_www_authenticate_and_no_retry() -> None:
 
 
 def test_429_keeps_retry_after_and_allows_retry() -> None:
-    exc = RateLimited("busy", code="model_busy", retry_after_s=7)
+    exc = RateLimited("busy", code=LimitReason.MODEL_BUSY, retry_after_s=7)
     status, body, headers = error_parts(exc, "rid-3")
     assert status == 429
     assert orjson.loads(body) == {
@@ -263,7 +263,7 @@ def test_429_keeps_retry_after_and_allows_retry() -> None:
         PayloadTooLarge("too big"),
         UpstreamFailed("broken"),
         ServiceUnavailable("down", reason=UnavailableReason.NO_HEALTHY_ENDPOINT),
-        RateLimited("busy", code="queue_full", retry_after_s=0),
+        RateLimited("busy", code=LimitReason.QUEUE_FULL, retry_after_s=0),
     ],
 )
 def test_request_id_always_present(exc: GatewayError) -> None:

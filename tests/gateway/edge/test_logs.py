@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gateway.edge.access import NOTE, AccessLog, AccessNote
-from gateway.edge.asgi import Receive, Scope, Send
+from gateway.edge.asgi import Message, Receive, Scope, Send
 from gateway.edge.logs import ACCESS_LOGGER, JsonFormatter, TextFormatter
 
 
@@ -26,7 +26,7 @@ async def receive() -> dict[str, Any]:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-async def discard(message: dict[str, Any]) -> None:
+async def discard(message: Message) -> None:
     pass
 
 
@@ -86,7 +86,13 @@ async def test_a_plain_request_is_one_line_with_the_answer_s_status_and_id(
 
 async def test_what_the_route_noted_wins(lines: Lines) -> None:
     # A stream that started 200 and ended with an error event: the record says 502.
-    note = {"model": "m1", "tier": "flex", "status": 502, "queue_ms": 1.5, "ttft_ms": 20.0}
+    note: dict[str, Any] = {
+        "model": "m1",
+        "tier": "flex",
+        "status": 502,
+        "queue_ms": 1.5,
+        "ttft_ms": 20.0,
+    }
     await AccessLog(answering(200, **note))(scope(), receive, discard)
     got = fields(lines()[0])
     assert {k: got[k] for k in note} == note

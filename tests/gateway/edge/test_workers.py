@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 
@@ -124,7 +125,7 @@ def test_the_metrics_directory_is_gone_after_the_serve(
     holder: socket.socket, monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
 ) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(workers.tempfile, "tempdir", None)  # TMPDIR is read again
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
 
     def fails() -> None:
         raise RuntimeError("cannot start")
@@ -136,6 +137,6 @@ def test_the_metrics_directory_is_gone_after_the_serve(
 def test_no_place_for_the_metrics_files_is_one_line_and_exit_code_1(
     holder: socket.socket, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(workers.tempfile, "tempdir", "/nonexistent/gateway-test")
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/gateway-test")
     assert Workers(2, lambda: None).run(holder) == 1
     assert "metrics directory" in caplog.text

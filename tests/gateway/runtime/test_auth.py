@@ -11,9 +11,10 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.errors import AuthenticationFailed, ServiceUnavailable
-from gateway.runtime.auth import KEY_PREFIX, KEYS_HASH, KeyStore, create_key, key_from_headers
+from gateway.runtime.auth import KEY_PREFIX, KeyStore, create_key, key_from_headers
 from gateway.runtime.settings import AccountConfig, KeyConfig, digest_key
 from routing.admission.ratelimit import RateLimits
+from routing.store.keys import API_KEYS_HASH as KEYS_HASH
 from tiers.policy import Tier
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -42,7 +42,7 @@ def written(state: GatewayState, model: str) -> dict[str, int] | None:
     call = state.admission.slots[model].index()
     if call is None:
         return None
-    args: list[Any] = call[2]
+    args: Sequence[Any] = call[2]
     n = args[4]  # then per endpoint: url, max_concurrency, penalty, budget, whole budget
     return {args[5 + 5 * i]: args[5 + 5 * i + 3] for i in range(n)}
 

@@ -17,7 +17,7 @@ from gateway.runtime.settings import GatewayConfig, parse_config
 from gateway.runtime.state import GatewayState
 from routing.admission.plan import plan_candidates
 from routing.background import BackgroundErrors
-from routing.errors import RoutingError
+from routing.errors import Limited, Unavailable
 
 
 def config_text(size: int) -> str:
@@ -99,7 +99,7 @@ async def outage_answer(state: GatewayState) -> str:
     plan = plan_candidates("m", None, fail_fast=False, registry=state.registry, allowed=None)
     try:
         admitted = await asyncio.wait_for(state.admission.admit(plan, "t-reload", 10), 10)
-    except RoutingError as refused:
+    except (Limited, Unavailable) as refused:
         return refused.reason.value
     state.admission.release(admitted.lease)
     return "local" if admitted.lease.local else admitted.lease.endpoint

@@ -35,7 +35,7 @@ def shape(value: Any) -> Any:
 
 async def sim_answer(path: str, body: dict[str, Any]) -> httpx.Response:
     app = build_sim_app(SimOptions(models=("tiny",), ttft_ms=0, itl_ms=0))
-    transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
         return await client.post(path, json={"model": "tiny", **body})
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -35,7 +35,7 @@ from routing.store.wire import text
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster
-from tests.redis_server import RedisServer, endpoint_load
+from tests.redis_server import RedisServer, StreamEntries, endpoint_load
 from tiers.policy import Tier
 
 CONFIG = """
@@ -584,7 +584,8 @@ async def test_release_writes_the_usage_record_once(fleet: Fleet, tmp_path: Path
     record = usage_record(request_id="t-usage")
     await bounded(adm.release(lease, record.to_fields()))
     attempt = lease.id.encode()
-    ours = [(i, f) for i, f in await fleet.redis.xrange("usage") if f[b"attempt"] == attempt]
+    entries = cast(StreamEntries, await fleet.redis.xrange("usage"))
+    ours = [(i, f) for i, f in entries if f[b"attempt"] == attempt]
     try:
         assert [f[b"request_id"] for _, f in ours] == [b"t-usage"]
         assert spool.size_bytes() == 0
@@ -1083,7 +1084,7 @@ async def test_a_sweep_that_raises_is_counted_and_the_next_runs(fleet: Fleet) ->
         apply(*args)
         swept.set()
 
-    keeper._apply = applied  # type: ignore[method-assign]
+    keeper._apply = applied  # type: ignore[method-assign,assignment]
     await keeper.start()
     try:
         await bounded(swept.wait())

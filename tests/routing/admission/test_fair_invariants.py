@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 import redis.asyncio as aioredis
 
 from routing.admission.slots import GRANTED, QUEUED, RANK, ModelSlots, make_lease_id
 from routing.store.wire import text
+from tests.redis_server import ScoredMembers
 from tests.routing.admission.test_slots import TIMING, A, B, Model
 from tiers.policy import BY_RANK, Tier
 
@@ -69,9 +71,11 @@ async def check_tier(w: World, rank: int, queue: dict[str, int], held: dict[str,
         if place // RANK == rank:
             per.setdefault(parse(waiter)[0], {})[waiter] = place % RANK
     for acct, mine in per.items():
-        got = await w.r.zrange(f"{TAG}fq:{rank}:{acct}", 0, -1, withscores=True)
+        got = cast(
+            ScoredMembers, await w.r.zrange(f"{TAG}fq:{rank}:{acct}", 0, -1, withscores=True)
+        )
         assert {text(k): int(v) for k, v in got} == mine, (rank, acct)
-    index = await w.r.zrange(f"{TAG}fi:{rank}", 0, -1, withscores=True)
+    index = cast(ScoredMembers, await w.r.zrange(f"{TAG}fi:{rank}", 0, -1, withscores=True))
     entries = {text(k)[16:]: (int(text(k)[:16]), v) for k, v in index}
     assert len(entries) == len(index) and set(entries) == set(per), (rank, index, per)
     mode = w.modes[BY_RANK[rank]]
@@ -84,7 +88,7 @@ async def check_tier(w: World, rank: int, queue: dict[str, int], held: dict[str,
 
 
 async def check(w: World) -> None:
-    raw = await w.r.zrange(TAG + "queue", 0, -1, withscores=True)
+    raw = cast(ScoredMembers, await w.r.zrange(TAG + "queue", 0, -1, withscores=True))
     queue = {text(k): int(v) for k, v in raw}
     load = {text(k): text(v) for k, v in (await w.r.hgetall(TAG + "ep_load")).items()}
     for rank in range(3):

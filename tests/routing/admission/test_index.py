@@ -145,7 +145,7 @@ async def test_the_last_view_written_is_mended_by_the_next_sweep(
     await one.sweep()  # another version than its own
     await one.write_index()
     assert set(await in_rotation(one)) == {A, B}
-    assert (await real_redis.hget(one.slots.keys[3], "~v")).decode() == one.slots.version
+    assert text(await real_redis.hget(one.slots.keys[3], "~v")) == one.slots.version
 
 
 @pytest.mark.parametrize("n", [1, 1000])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,7 +19,8 @@ from redis.exceptions import ResponseError
 from gateway.runtime.settings import parse_config
 from routing.admission.accountkeeps import RECENT
 from routing.admission.admit import Admission
-from routing.admission.keeper import RESERVED_EVERY, Keeper
+from routing.admission.keeper import Keeper
+from routing.admission.reserved import RESERVED_EVERY
 from routing.admission.tokens import TokenAsk
 from routing.background import BackgroundErrors
 from routing.ledger.records import UsageSettings
@@ -28,6 +29,7 @@ from routing.registry import Registry
 from routing.store.causes import StoreErrors
 from routing.store.keys import REPLICAS_KEY, USAGE_STREAM, account_key
 from tests.conftest import REDIS_URL
+from tests.redis_server import StreamEntries
 from tests.routing.admission.test_admission import (
     CONFIG,
     Fleet,
@@ -354,7 +356,7 @@ async def test_the_spool_round_sends_the_spooled_records(
         assert spool.add(record(i))
     await bounded(keeper_of(fleet, adm)._tend_spool())
     assert not spool.pending()
-    entries = await usage_redis.xrange(USAGE_STREAM)
+    entries = cast(StreamEntries, await usage_redis.xrange(USAGE_STREAM))
     rids = [fields[b"request_id"].decode() for _, fields in entries]
     assert [rid for rid in rids if rid.startswith(RID)] == [f"{RID}{i}" for i in range(3)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -187,7 +187,7 @@ async def test_a_failover_that_lost_the_last_round_has_its_new_entries_written_b
 async def snapshot(client: aioredis.Redis) -> dict[bytes, tuple[bytes, int]]:
     """Every key of the run's Redis, as DUMP gives it, with its time to live (ms)."""
     return {
-        key: (await client.dump(key), max(0, await client.pttl(key)))
+        key: (cast(bytes, await client.dump(key)), max(0, await client.pttl(key)))
         async for key in client.scan_iter(count=1000)
     }
 

@@ -287,10 +287,7 @@ def test_a_partition_the_hash_leaves_empty_is_said_and_the_others_share_the_queu
     same = [u for u in (f"http://gpu-{i}:8000" for i in range(100)) if partition_of(u, 2) == 1]
     text = CONFIG.replace("partitions: 4", "partitions: 2").replace("max_queue: 8", "max_queue: 9")
     config = parse_config(text, "t.yaml")
-    endpoints = tuple(
-        EndpointConfig(url=u, max_concurrency=1)  # type: ignore[arg-type]
-        for u in same[:3]
-    )
+    endpoints = tuple(EndpointConfig(url=u, max_concurrency=1) for u in same[:3])
     wide = config.models["wide"].model_copy(update={"endpoints": endpoints})
     registry = Registry({"wide": wide})
     with caplog.at_level(logging.WARNING, logger="gateway.admission"):

@@ -24,8 +24,8 @@ from routing.admission.slots import (
     RANK,
     UNBOUND,
     ModelSlots,
-    Timing,
 )
+from routing.admission.timing import Timing
 from routing.store.connect import RedisPyStore
 from routing.store.keys import account_key
 from routing.store.scripts import Scripts

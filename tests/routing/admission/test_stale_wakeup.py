@@ -24,7 +24,7 @@ async def grant_message(redis: aioredis.Redis, channel: str, release: Any) -> di
     await pubsub.subscribe(channel)
     try:
         await release()
-        message = None
+        message: dict[str, Any] | None = None
         while message is None:
             message = await bounded(pubsub.get_message(timeout=1.0))
         return message

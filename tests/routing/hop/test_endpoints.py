@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+from typing import Any
 
-from routing.hop.endpoints import Pool, Pools
+from routing.hop.endpoints import Endpoint, Pool, Pools
 from routing.registry import ModelConfig, Registry
 
 
@@ -16,6 +17,14 @@ def pool(count: int, name: str = "m") -> Pool:
     model = registry.get(name)
     assert model is not None
     return Pool(model)
+
+
+def pick(p: Pool, *steer: Any) -> Endpoint:
+    """The pool's pick (`steer`: its penalty and up): there is one (None is for a model
+    with no endpoint left)."""
+    endpoint = p.pick(*steer)
+    assert endpoint is not None
+    return endpoint
 
 
 def test_single_endpoint_always_picked() -> None:
@@ -48,14 +57,14 @@ def test_equal_loads_alternate() -> None:
 
 def test_equal_loads_spread_evenly() -> None:
     p = pool(3)
-    counts = Counter(p.pick().url for _ in range(30))
+    counts = Counter(pick(p).url for _ in range(30))
     assert counts == {e.url: 10 for e in p.endpoints}
 
 
 def test_picks_follow_in_flight_counts() -> None:
     p = pool(2)
     for _ in range(10):
-        p.pick().inflight += 1
+        pick(p).inflight += 1
     assert [e.inflight for e in p.endpoints] == [5, 5]
 
 
@@ -68,7 +77,7 @@ def test_busy_endpoint_skipped() -> None:
 def test_ties_among_least_loaded_share_evenly_beside_a_busy_endpoint() -> None:
     p = pool(3)
     p.endpoints[0].inflight = 4
-    counts = Counter(p.pick().url for _ in range(30))
+    counts = Counter(pick(p).url for _ in range(30))
     assert counts == {p.endpoints[1].url: 15, p.endpoints[2].url: 15}
 
 
@@ -82,14 +91,14 @@ def test_the_load_counts_relative_to_each_endpoints_size() -> None:
     assert model is not None
     p = Pool(model)
     p.endpoints[0].inflight, p.endpoints[1].inflight = 3, 1
-    assert all(p.pick().url == "http://big:8000" for _ in range(4))
+    assert all(pick(p).url == "http://big:8000" for _ in range(4))
 
 
 def test_a_workers_penalty_and_health_steer_the_choice() -> None:
     p = pool(3)
     penalties = {p.endpoints[0].url: 0.5, p.endpoints[1].url: 0.0, p.endpoints[2].url: 0.0}
     down = {p.endpoints[2].url}
-    picks = {p.pick(penalties.__getitem__, lambda url: url not in down).url for _ in range(6)}
+    picks = {pick(p, penalties.__getitem__, lambda url: url not in down).url for _ in range(6)}
     assert picks == {p.endpoints[1].url}
     # None up (this replica's health may lag): any of them, by load.
     assert p.pick(up=lambda url: False) is not None

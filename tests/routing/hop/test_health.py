@@ -241,7 +241,7 @@ async def test_a_rounds_changes_are_told_in_one_call() -> None:
     async def probe(h: EndpointHealth) -> tuple[bool, Reading | None]:
         return h.url == W2, Reading(waiting=16.0, kv_usage=0.0) if h.url == W2 else None
 
-    health._probe = probe  # type: ignore[method-assign]
+    health._probe = probe  # type: ignore[method-assign,assignment]
     await health.probe_all()
     assert changes == [{W1, W2}]  # w1 out of rotation, w2's penalty up: one call
     assert health.penalty(W2) == 2.0
@@ -265,7 +265,7 @@ async def test_a_large_fleet_is_probed_in_turn_within_a_rounds_budget() -> None:
         rounds[-1].append(h.url)
         return h.url != urls[7], None
 
-    health._probe = probe  # type: ignore[method-assign]
+    health._probe = probe  # type: ignore[method-assign,assignment]
     for _ in range(4):
         rounds.append([])
         await health.probe_all()

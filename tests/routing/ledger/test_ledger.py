@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 import pytest
@@ -22,7 +22,6 @@ from routing.admission.plan import plan_candidates
 from routing.ledger import records as ledger
 from routing.ledger.records import (
     DEDUPE_MAX_S,
-    USAGE_STREAM,
     FirstSends,
     StreamStats,
     UsageSettings,
@@ -35,11 +34,12 @@ from routing.ledger.spool import UsageSpool
 from routing.registry import Registry
 from routing.store.base import Store
 from routing.store.connect import RedisPyStore, connect
+from routing.store.keys import USAGE_STREAM
 from routing.store.resp import RespClient
-from routing.store.scripts import Scripts
+from routing.store.scripts import Call, Scripts
 from tests.conftest import REDIS_URL
 from tests.factories import usage_record
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, StreamEntries
 
 
 def lean_store() -> RespClient:
@@ -84,7 +84,7 @@ def spooled(spool: UsageSpool) -> list[dict[str, str]]:
 
 
 async def entries(client: aioredis.Redis) -> list[dict[str, str]]:
-    raw = await client.xrange(USAGE_STREAM)
+    raw = cast(StreamEntries, await client.xrange(USAGE_STREAM))
     return [{k.decode(): v.decode() for k, v in data.items()} for _, data in raw]
 
 
@@ -265,7 +265,7 @@ async def test_a_refused_first_send_writes_nothing(usage_redis: aioredis.Redis) 
     scripts, store = Scripts(), lean_store()
     flat = usage_fields()
     _, _, (add, expire, _) = first_record_call(flat, DAY_S)
-    broken = ("MULTI", [], [add, expire, ("XADD", [USAGE_STREAM], [])])
+    broken: Call = ("MULTI", [], [add, expire, ("XADD", [USAGE_STREAM], [])])
     try:
         reply, pong = await bounded(scripts.send(store, [broken, ("PING", [], [])]))
         assert pong in (b"PONG", "PONG")
@@ -295,7 +295,9 @@ async def test_round_trims_and_reads_length_and_oldest_age(node_per_entry: aiore
     stats = await bounded(trim_stream(send, DAY_S))
     assert stats.length == 1
     assert 5.0 <= stats.oldest_age_s < 600
-    assert [i.decode() for i, _ in await redis.xrange(USAGE_STREAM)] == [f"{now - 5_000}-0"]
+    assert [i.decode() for i, _ in cast(StreamEntries, await redis.xrange(USAGE_STREAM))] == [
+        f"{now - 5_000}-0"
+    ]
 
 
 async def test_spool_round_trims_and_stores_the_stream_stats(
@@ -468,7 +470,7 @@ async def test_release_spools_the_record_when_redis_is_down(
     spool = spool_in(tmp_path)
     dead = admission(dead_redis, spool)
     flat = usage_fields()
-    assert await bounded(dead.release(lease(), flat)) is None  # never an error
+    await bounded(dead.release(lease(), flat))  # never an error
     assert spooled(spool) == [{**flat, "attempt": "t-ledger-lease-1"}]
     await bounded(dead.close())
 

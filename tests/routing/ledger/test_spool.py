@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 import pytest
@@ -26,6 +26,7 @@ from routing.store.connect import RedisPyStore
 from routing.store.keys import USAGE_STREAM
 from routing.store.scripts import Call, Scripts
 from tests.conftest import REDIS_URL
+from tests.redis_server import StreamEntries
 
 RID = "t-spool-"
 OTHER_URL = "redis://127.0.0.1:1/0"  # another store (nothing listens: never sent to)
@@ -279,7 +280,8 @@ async def test_a_torn_line_is_set_aside_and_the_rest_flushes(
     assert await bounded(spool.flush(send)) == 2
     assert spool.bad_lines == 4
     assert not spool.pending()
-    stream = [data[b"request_id"] for _, data in await usage_redis.xrange(USAGE_STREAM)]
+    entries = cast(StreamEntries, await usage_redis.xrange(USAGE_STREAM))
+    stream = [data[b"request_id"] for _, data in entries]
     assert stream == [f"{RID}1".encode(), f"{RID}2".encode()]
     bad = spoolfile.bad_path(tmp_path, spool.store).read_bytes().splitlines()
     assert bad[0] == orjson.dumps(record("torn"))[:25]
@@ -292,7 +294,7 @@ async def test_a_torn_line_is_set_aside_and_the_rest_flushes(
     await bounded(spool.tend(send))
     assert spool.bad_lines == 5
     assert not spool.pending()
-    assert len(await usage_redis.xrange(USAGE_STREAM)) == 3
+    assert len(cast(StreamEntries, await usage_redis.xrange(USAGE_STREAM))) == 3
 
 
 async def test_an_overlong_line_is_set_aside_cut(tmp_path: Path) -> None:
@@ -333,7 +335,8 @@ async def test_adopts_only_gone_processes_of_the_same_store(
     send = store_sender(Scripts(), RedisPyStore(usage_redis, 2.0))
 
     assert await bounded(adopter.adopt(send)) == 2
-    stream = [data[b"request_id"] for _, data in await usage_redis.xrange(USAGE_STREAM)]
+    entries = cast(StreamEntries, await usage_redis.xrange(USAGE_STREAM))
+    stream = [data[b"request_id"] for _, data in entries]
     assert stream == [f"{RID}g1".encode(), f"{RID}g2".encode()]
     assert not gone.exists() and not gone.with_suffix(".lock").exists()
     assert lines_of(elsewhere) == [
@@ -342,7 +345,7 @@ async def test_adopts_only_gone_processes_of_the_same_store(
     assert lines_of(alive.path) == [record("a1")]
     # Nothing left to adopt: a second round sends nothing again.
     assert await bounded(adopter.adopt(send)) == 0
-    assert len(await usage_redis.xrange(USAGE_STREAM)) == 2
+    assert len(cast(StreamEntries, await usage_redis.xrange(USAGE_STREAM))) == 2
 
 
 async def test_two_adopters_never_both_send_one_file(tmp_path: Path) -> None:

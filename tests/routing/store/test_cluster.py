@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -26,10 +26,10 @@ from routing.store.connect import (
     subscriber,
 )
 from routing.store.probe import probe, start_problem
-from routing.store.resp import Command, NotSent, RespClient
+from routing.store.resp import NotSent, RespClient
 from routing.store.scripts import Scripts
 from routing.store.slotmap import ANY, EVERY, redirect_of, slot_of
-from routing.store.wire import Transaction
+from routing.store.wire import Command, Transaction
 from tests.conftest import REDIS_URL
 from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer, self_signed
@@ -231,8 +231,8 @@ class FailingNode:
 
 def store_with_failing(cluster: RedisCluster, failing: RedisServer, error: Exception) -> Any:
     def node(host: str, port: int) -> Store:
-        if port == failing.port:
-            return FailingNode(error)
+        if port == failing.port:  # a stand-in: the store only sends to it and closes it
+            return cast(Store, FailingNode(error))
         return RespClient(f"redis://{host}:{port}", command_timeout_s=2.0)
 
     return ClusterStore([("127.0.0.1", cluster.nodes[0].port)], node)
@@ -336,7 +336,7 @@ async def test_wake_ups_published_on_any_node_reach_the_subscriber(
         for node, channel in zip(empty_cluster.nodes, channels, strict=True):
             with redis.Redis(host="127.0.0.1", port=node.port) as direct:
                 direct.publish(channel, f"w {channel}")
-        got = set()
+        got: set[str] = set()
         while len(got) < len(channels):
             message = await bounded(pubsub.get_message(timeout=5.0))
             if message is not None:

@@ -25,7 +25,7 @@ from routing.store.connect import connect
 from routing.store.probe import probe
 from tests.factories import usage_record
 from tests.redis_cluster import RedisCluster, start_cluster
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, StreamEntries
 from tests.routing.admission.test_admission import CONFIG, Fleet, admit, bounded, riding
 from tiers.policy import Tier
 
@@ -56,7 +56,7 @@ async def test_slots_moved_during_traffic_lose_nothing(
         await fleet.close()
         assert redirects["MOVED"] > 0, redirects  # the replicas did meet the moves
         assert outcomes["admitted"] > 0 and outcomes["unavailable"] == 0, outcomes
-        entries = await inspect.xrange("usage")
+        entries = cast(StreamEntries, await inspect.xrange("usage"))
         ids = Counter(f[b"request_id"].decode() for _, f in entries)
         assert ids == Counter(recorded), "a usage record lost or doubled"
         await fleet.assert_clean()
@@ -172,7 +172,7 @@ async def test_the_documented_acl_is_all_a_cluster_needs(
         await bounded(adm.release(admitted.lease, usage_record(request_id="t-acl").to_fields()))
         await bounded(keeper.sweep_once())
         assert await bounded(probe(inspect, 3.0)) is None
-        assert len(await inspect.xrange("usage")) == 1
+        assert len(cast(StreamEntries, await inspect.xrange("usage"))) == 1
         assert spool.size_bytes() == 0
     finally:
         await fleet.close()

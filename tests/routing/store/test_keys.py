@@ -9,7 +9,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from routing.admission.slots import ModelSlots, Timing
+from routing.admission.slots import ModelSlots
+from routing.admission.timing import Timing
 from routing.store import keys
 from routing.store.scripts import Scripts
 from tiers.policy import BY_RANK, Tier
