@@ -1,10 +1,11 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both build the venv first.
+# `make check` is the fast tier for development: lint, types and the unit tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv redis bench clean
+.PHONY: demo test check lint venv redis bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +28,13 @@ lint: $(STAMP)
 
 test: $(STAMP) redis lint
 	$(BIN)/python -m pytest -q
+
+# The unit tests: only Python and the redis-server they start themselves. Not tests/e2e (the
+# gateway's processes), tests/realworkers (real inference servers), tests/helm (helm), nor the
+# tests marked slow (pyproject.toml `markers`).
+UNIT := --ignore=tests/e2e --ignore=tests/realworkers --ignore=tests/helm -m "not slow"
+check: $(STAMP) redis lint
+	$(BIN)/python -m pytest -q $(UNIT) tests
 
 # The overhead benchmark (not part of `make test`): needs wrk and nginx from Debian's packages.
 # BENCH_BASELINE: the gateway it is compared with, run in the same rounds (issue 14's "previous

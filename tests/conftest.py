@@ -31,6 +31,14 @@ def pytest_configure(config: pytest.Config) -> None:
     REDIS_URL = f"redis://127.0.0.1:{_SERVER.port}/15"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on the run's Redis Cluster is slow (`make check` leaves it out): the first to ask
+    starts three masters and waits for their slot map. (The other slow tests say so.)"""
+    for item in items:
+        if "redis_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _SERVER is not None:
         _SERVER.stop()

@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 from tests.redis_server import RedisServer
+
+# The benchmark's own processes (and a Redis Cluster): not in `make check`.
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 # What `--cluster` reports of each master, per admission.

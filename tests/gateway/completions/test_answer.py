@@ -559,6 +559,7 @@ def test_usage_ignores_incomplete_records(raw: Any) -> None:
 _TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     content=_TEXT,

@@ -150,6 +150,7 @@ async def test_a_request_too_large_for_every_budget_carries_the_headers_too() ->
     }  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_a_reload_changes_an_accounts_limits() -> None:
     app, _ = make_app()
     body = {"model": "m1", "prompt": "x", "max_tokens": 1}

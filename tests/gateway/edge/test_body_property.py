@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import event, given, settings
 from pydantic import BaseModel, ConfigDict
 
@@ -33,6 +34,7 @@ def forward(payload: dict[str, Any]) -> bytes:
     return worker_body(payload, True, admitted, endpoint)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(body=bodies({"model": '"m"'}))
 def test_accepted_bodies_forward_and_round_trip(body: bytes) -> None:

@@ -329,6 +329,7 @@ async def test_write_answer_declines_what_it_cannot_send_whole() -> None:
     assert sent == []
 
 
+@pytest.mark.slow
 async def test_an_idle_connection_closes_a_keep_alive_timeout_after_its_last_answer() -> None:
     """One timer per idle spell (gateway/edge/protocol.py): a request inside the timeout keeps
     the connection, and the close comes a whole timeout after the last answer."""

@@ -545,6 +545,7 @@ def _from_schema(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrat
 
 # Instances of the published JSON schema must be accepted: /openapi.json must not promise
 # bodies that the gateway then refuses.
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [CompletionRequest, ChatRequest])
 def test_schema_derived_bodies_validate(model: type[BaseModel]) -> None:
     schema = model.model_json_schema()

@@ -260,7 +260,9 @@ async def running(built: Fleet) -> AsyncIterator[Fleet]:
 
 # The tests of the issue's acceptance list run on a Redis Cluster too (not all of them: the
 # suite's time), where `spread_cluster` puts the models and the account on different nodes.
-ON_CLUSTER_TOO = pytest.mark.parametrize("fleet", ["resp", "redis-py", "cluster"], indirect=True)
+ON_CLUSTER_TOO = pytest.mark.parametrize(
+    "fleet", ["resp", "redis-py", pytest.param("cluster", marks=pytest.mark.slow)], indirect=True
+)
 
 
 @pytest.fixture
@@ -731,7 +733,7 @@ async def test_concurrency_limit_on_one_redis_takes_no_slot(fleet: Fleet) -> Non
     assert await fleet.leases("two") == 0
 
 
-@pytest.mark.parametrize("fleet", ["cluster"], indirect=True)
+@pytest.mark.parametrize("fleet", [pytest.param("cluster", marks=pytest.mark.slow)], indirect=True)
 async def test_concurrency_limit_gives_the_slot_back_without_the_caller(fleet: Fleet) -> None:
     """On a Cluster the account's slot is taken by its own script, on its own node, in the
     same round trip as the model's: at the limit the model's slot goes back. The 429 does
@@ -1105,6 +1107,7 @@ async def test_calls_that_never_left_leave_nothing_in_doubt(fleet: Fleet) -> Non
     assert adm.holdings.orphans == {}
 
 
+@pytest.mark.slow
 async def test_a_wait_for_the_rebuild_window_comes_out_of_the_queue_timeout(
     real_redis: aioredis.Redis,
 ) -> None:
@@ -1144,6 +1147,7 @@ async def test_a_wait_for_the_rebuild_window_comes_out_of_the_queue_timeout(
         await fleet.close()
 
 
+@pytest.mark.slow
 async def test_after_redis_lost_its_state_a_waiting_request_waits_out_the_rebuild(
     real_redis: aioredis.Redis,
 ) -> None:

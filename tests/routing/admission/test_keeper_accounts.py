@@ -102,6 +102,7 @@ async def short_lived(fleet: Fleet, lease_ttl_s: float, sweep_interval_s: float)
     return adm
 
 
+@pytest.mark.slow
 async def test_an_account_entry_outlives_sweeps_that_run_late(fleet: Fleet) -> None:
     """Sweeps run later than their interval (a Redis slow to answer, a busy loop: each round
     starts an interval after the last ended): an account's entry must still be kept within
@@ -122,6 +123,7 @@ async def test_an_account_entry_outlives_sweeps_that_run_late(fleet: Fleet) -> N
     await fleet.assert_clean()
 
 
+@pytest.mark.slow
 async def test_on_a_cluster_a_node_restarted_empty_has_its_accounts_entries_written_back(
     tmp_path: Path,
 ) -> None:

@@ -220,6 +220,7 @@ async def lose(
         assert await fleet.queued("two") == 0  # taken out as a dead replica's
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lost", LOSSES)
 async def test_waiters_redis_lost_are_queued_again_in_the_same_round(
     fleet: Fleet, real_redis: aioredis.Redis, lost: str

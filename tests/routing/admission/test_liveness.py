@@ -184,6 +184,7 @@ async def test_redis_restarted_empty_tells_every_replica_to_name_its_waiters(
     assert not (await sweep(m, "r1")).name
 
 
+@pytest.mark.slow
 async def test_a_long_queue_is_looked_through_over_several_sweeps(
     real_redis: aioredis.Redis,
 ) -> None:

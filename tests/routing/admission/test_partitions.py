@@ -130,7 +130,7 @@ def test_the_order_rotates_keeps_a_cache_key_and_queues_at_the_shortest_queue() 
 # --- admission over partitions ---------------------------------------------------------------
 
 
-@pytest.fixture(params=["resp", "cluster"])
+@pytest.fixture(params=["resp", pytest.param("cluster", marks=pytest.mark.slow)])
 async def wide(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
     config = parse_config(CONFIG, "t.yaml")
     if request.param == "cluster":

@@ -72,7 +72,9 @@ async def fleet(real_redis: aioredis.Redis, request: pytest.FixtureRequest) -> A
         yield built
 
 
-ON_CLUSTER_TOO = pytest.mark.parametrize("fleet", ["resp", "redis-py", "cluster"], indirect=True)
+ON_CLUSTER_TOO = pytest.mark.parametrize(
+    "fleet", ["resp", "redis-py", pytest.param("cluster", marks=pytest.mark.slow)], indirect=True
+)
 
 
 async def admit(

@@ -63,6 +63,7 @@ def plan() -> Any:
     return plan_candidates("m", None, fail_fast=False, registry=registry, allowed=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stall_s", [None, 0.3], ids=["through-the-timeout", "short"])
 async def test_a_waiter_timing_out_in_a_stall_is_answered_in_time(
     replica: tuple[RedisServer, Admission, Keeper], stall_s: float | None

@@ -50,6 +50,7 @@ class Woken:
     holdings: Any = None
 
 
+@pytest.mark.slow
 async def test_a_stalled_redis_breaks_the_subscription_within_the_probes_limit(
     private_redis: RedisServer,
 ) -> None:

@@ -358,6 +358,7 @@ def private_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
         cluster.stop()
 
 
+@pytest.mark.slow
 async def test_the_probe_fails_while_a_master_is_down(private_cluster: RedisCluster) -> None:
     """A gateway pointed at a live node still cannot serve the models whose slots live on
     a dead one: /readyz and the start say so, not only the requests."""
@@ -373,6 +374,7 @@ async def test_the_probe_fails_while_a_master_is_down(private_cluster: RedisClus
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_tls_cluster_runs_scripts_through_redis_py_per_node(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path / "tls", tls=self_signed(tmp_path))
     url = cluster.urls()[1]  # rediss://...?ssl_ca_certs=...

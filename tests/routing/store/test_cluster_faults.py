@@ -29,6 +29,9 @@ from tests.redis_server import RedisServer, StreamEntries
 from tests.routing.admission.test_admission import CONFIG, Fleet, admit, bounded, riding
 from tiers.policy import Tier
 
+# Redis Clusters resharded, a master down: not in `make check`.
+pytestmark = pytest.mark.slow
+
 REQUESTS = 160
 
 

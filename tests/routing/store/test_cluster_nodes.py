@@ -26,6 +26,9 @@ from tests.redis_cluster import RedisCluster, start_cluster
 from tests.redis_server import RedisServer
 from tests.routing.admission.test_admission import CONFIG, Fleet, admit, bounded
 
+# Redis Clusters of their own (nodes killed, stalled, failed over): not in `make check`.
+pytestmark = pytest.mark.slow
+
 
 async def _until_not_sent(store: ClusterStore, node: RedisServer) -> None:
     """Until the cluster store's client of `node` (killed) answers NotSent: it saw the

@@ -188,6 +188,7 @@ async def make() -> AsyncIterator[Make]:
         await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_stalled_redis_fails_calls_at_the_deadline_and_recovers(
     private_redis: RedisServer, make: Make
 ) -> None:
@@ -225,6 +226,7 @@ async def test_a_call_not_answered_fails_at_the_deadline_then_reconnects(
     assert await asyncio.wait_for(again, 5) == [b"PONG"]
 
 
+@pytest.mark.slow
 async def test_an_answer_before_the_deadline_is_not_a_timeout(fake: FakeRedis, make: Make) -> None:
     # Redis busy, not stalled: each call is answered within its own deadline, though the
     # second one's answer comes after the first one's deadline (when the timer fires).
