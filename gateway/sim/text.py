@@ -194,8 +194,8 @@ def error_body(status: int, kind: str, message: str) -> dict[str, Any]:
 
 # What vLLM says in `system_fingerprint` (its version and a hash of its config).
 FINGERPRINT = "vllm-0.32.0-simulated"
-# Fields vLLM 0.32 sends as null when it has nothing for them (tests/gateway/vllm/ holds its
-# own answers, which tests/gateway/test_sim_fidelity.py compares field for field).
+# Fields vLLM 0.32 sends as null when it has nothing for them (tests/gateway/sim/vllm/ holds its
+# own answers, which tests/gateway/sim/test_sim_fidelity.py compares field for field).
 _CHAT_TOP = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
              "ec_transfer_params", "metrics")  # fmt: skip
 _COMPLETION_TOP = ("kv_transfer_params", "ec_transfer_params", "metrics")

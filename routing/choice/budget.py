@@ -1,5 +1,5 @@
 """Whether a request's tokens fit an endpoint's token budget: the rule of
-prelude_seats.lua `fits`, pinned to it by tests/routing/choice/test_budget.py."""
+prelude_seats.lua `fits`, pinned to it by tests/routing/choice/test_scorers.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The Python callers build their keys from here; the Lua scripts get a model's key names from
 here too (routing/store/scripts.py writes them into the prelude's `bind`), so a key a
 script names is one this table declares, and on a Redis Cluster every declared key of the
-model is passed (routing/admission/slots.py `declare_all`). tests/routing/test_keys.py
+model is passed (routing/admission/slots.py `declare_all`). tests/routing/store/test_keys.py
 checks that every name a script makes is declared and every declared key is used, and that
 docs/architecture.md's table is this one (`python -m routing.store.keys` prints it).
 

@@ -1,5 +1,5 @@
 """The hop's error translation (routing/hop/client.py): the same `Worker*` error and message
-for each failure as the aiohttp `Upstream` gave (tests/routing/test_upstream.py), against
+for each failure as the aiohttp `Upstream` gave (before the hop client replaced it), against
 raw sockets on 127.0.0.1 playing misbehaving workers."""
 
 from __future__ import annotations
