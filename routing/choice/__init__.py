@@ -2,7 +2,8 @@
 picker.
 
 - **Filter**: the endpoints in rotation (healthy, configured: routing/hop/health.py), with
-  room for the request's tier (its ceiling) and its tokens (`budget.fits`).
+  room for the request's tier (its ceiling) and its tokens (prelude_seats.lua `fits`: the
+  script alone knows what each endpoint has reserved).
 - **Scorers**, one per file, each turning what a replica knows into what the choice reads:
   - `penalty`: a worker's own load signal (its queue, its KV cache), a number >= 0 added
     to the endpoint's score; written into the endpoint index (routing/store/lua/index.lua).

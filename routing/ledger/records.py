@@ -27,9 +27,6 @@ DEFAULT_RETENTION_S = 35 * 86400.0
 # never longer than this: a resend comes from a spool, and no spool waits that long (the
 # dedupe keys would otherwise cost a quarter of the stream's memory again).
 DEDUPE_MAX_S = 7 * 86400
-# Where identities are remembered: a set per second of the records' time (ts), which goes
-# when its identities may be forgotten.
-DEDUPE = DEDUPE_PREFIX
 # Sets whose expiry this process set lately (a record's second is nearly always the newest).
 STAMPS_KEPT = 8
 
@@ -77,7 +74,7 @@ class FirstSends:
 
     def call(self, fields: Mapping[str, str], retention_s: float) -> Call:
         second, member = _identity(fields)
-        bucket = f"{DEDUPE}{second}"
+        bucket = f"{DEDUPE_PREFIX}{second}"
         commands: list[Call] = [("SADD", [bucket], [member])]
         if bucket not in self._stamped:
             commands.append(("PEXPIREAT", [bucket], [_forget_at(second, retention_s)]))
@@ -98,7 +95,7 @@ def _record_parts(fields: Mapping[str, str], retention_s: float) -> tuple[str, s
     resends the set must still catch), and the fields flat."""
     flat = list(chain.from_iterable(fields.items()))
     second, member = _identity(fields)
-    return f"{DEDUPE}{second}", member, _forget_at(second, retention_s), flat
+    return f"{DEDUPE_PREFIX}{second}", member, _forget_at(second, retention_s), flat
 
 
 def _forget_at(second: int, retention_s: float) -> int:
@@ -108,7 +105,7 @@ def _forget_at(second: int, retention_s: float) -> int:
 def identity(fields: Mapping[str, str]) -> tuple[str, str]:
     """Where a record's identity is remembered (the set of its second), and the identity."""
     second, member = _identity(fields)
-    return f"{DEDUPE}{second}", member
+    return f"{DEDUPE_PREFIX}{second}", member
 
 
 def _identity(fields: Mapping[str, str]) -> tuple[int, str]:
@@ -179,7 +176,7 @@ async def trim_stream(send: Send, retention_s: float) -> StreamStats:
                 ("XLEN", [USAGE_STREAM], []),
                 ("XRANGE", [USAGE_STREAM], ["-", "+", "COUNT", 1]),
                 *(
-                    ("PEXPIREAT", [f"{DEDUPE}{s}"], [s * 1000 + remember_ms])
+                    ("PEXPIREAT", [f"{DEDUPE_PREFIX}{s}"], [s * 1000 + remember_ms])
                     for s in (second - 1, second)
                 ),
             ]

@@ -1,31 +1,16 @@
 """The scorers in Python are the rules the acquire script follows (prelude_seats.lua):
-`fits` is `fits`, and `score` is what `rescore` writes into `free` (less the tie-break,
-below 1e-6), each checked against the Lua itself through the harness."""
+`score` is what `rescore` writes into `free` (less the tie-break, below 1e-6), checked
+against the Lua itself through the harness."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import redis.asyncio as aioredis
 
-from routing.choice.budget import fits
 from routing.choice.load import score
 from routing.choice.penalty import penalty
 from routing.choice.pick import least_loaded
 from tests.routing.store.test_lua_functions import call
-
-BUDGETS = [None, 1000]
-CASES = list(itertools.product([0, 100, 600], [0, 100, 700, 1200], BUDGETS, [1500], [0.8, 1.0]))
-
-
-async def test_fits_is_the_scripts_fits(real_redis: aioredis.Redis) -> None:
-    for tokens, reserved, budget, whole, share in CASES:
-        reserved = max(reserved, tokens)  # (what is reserved there counts its own)
-        lua_budget = "nil" if budget is None else str(budget)
-        expression = f"fits({tokens}, {reserved}, {lua_budget}, {whole}, {share})"
-        found = await call(real_redis, expression)
-        assert found == [str(fits(tokens, reserved, budget, whole, share)).lower()], expression
 
 
 @pytest.mark.parametrize(
